@@ -1,0 +1,186 @@
+"""The `mlx-diloco` command line."""
+
+import argparse
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+
+from .config import COMM_DTYPES, STRATEGIES, ConfigError, TrainConfig
+
+HELP = {
+    "model": "model preset name (see models/), a preset .json file, or an mlx-lm model folder",
+    "data": "'shakespeare' (embedded), 'fashion-mnist', a text file, or a folder of .txt files",
+    "tokenizer": "HF/mlx-lm tokenizer folder (default: train a byte-level BPE on the corpus)",
+    "seq_len": "tokens per training sequence",
+    "batch_size": "sequences per worker per inner step",
+    "workers": "number of (simulated) workers",
+    "strategy": f"training strategy: {', '.join(STRATEGIES)}",
+    "sync_every": "H: inner steps between outer steps (DiLoCo, FedAvg)",
+    "steps": "inner steps per worker",
+    "lr": "peak inner AdamW learning rate",
+    "warmup": "linear warmup steps before the cosine decay",
+    "weight_decay": "inner AdamW weight decay",
+    "beta1": "inner AdamW beta1",
+    "beta2": "inner AdamW beta2",
+    "grad_clip": "per-worker gradient norm clip (0 disables)",
+    "outer_lr": "outer SGD learning rate (DiLoCo)",
+    "outer_momentum": "outer Nesterov momentum (DiLoCo; 0 = plain SGD)",
+    "comm_dtype": f"dtype of exchanged values: {', '.join(COMM_DTYPES)}",
+    "eval_every": "inner steps between evaluations (0: every outer step)",
+    "eval_batches": "held-out batches per evaluation",
+    "seed": "random seed (model init, data order)",
+    "link": "network for the time model: tb5, tb4, 10gbe, 1gbe, wifi, internet, or e.g. '100mbit/20ms'",
+    "vectorize": "train simulated workers together with mx.vmap (--no-vectorize: one after another)",
+}
+
+
+def add_config_flags(parser):
+    parser.add_argument("--config", help="JSON file with config keys (flags given here override it)")
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type is bool or f.type == "bool":
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                                help=HELP[f.name])
+        else:
+            kind = {"int": int, "float": float, "str": str}.get(f.type if isinstance(f.type, str) else f.type.__name__)
+            parser.add_argument(flag, dest=f.name, type=kind, default=None,
+                                help=f"{HELP[f.name]} (default: {f.default})")
+
+
+def config_from_args(args) -> TrainConfig:
+    given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name) is not None}
+    if args.resume:
+        if given or args.config:
+            flags = " ".join("--" + k.replace("_", "-") for k in given) or "--config"
+            raise ConfigError(f"--resume continues the run with its saved config; drop {flags}")
+        from .train import saved_config
+        return saved_config(Path(args.run_dir))
+    base = TrainConfig.from_file(args.config).to_dict() if args.config else {}
+    return TrainConfig.from_dict({**base, **given})
+
+
+# ------------------------------------------------------------------ commands
+
+def cmd_sim(args):
+    from .comm import SimCommunicator
+    from .train import Run
+    if args.resume and not args.run_dir:
+        raise ConfigError("--resume needs --run-dir naming the run to continue")
+    config = config_from_args(args)
+    run_dir = Path(args.run_dir or f"runs/{config.strategy}-x{config.workers}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run = Run(config, run_dir, SimCommunicator(config.workers), resume=args.resume,
+              log=lambda m: print(m, file=sys.stderr))
+    print(f"{run.config.strategy} with {run.config.workers} simulated workers, model {run.config.model} "
+          f"({run.n_params / 1e6:.2f}M parameters), data {run.config.data} -> {run_dir}", file=sys.stderr)
+    summary = run.train()
+    print_summary(summary)
+    if run.spec.is_language_model and args.sample_tokens:
+        from .generate import generate
+        print("\nsample:", "".join(generate(run_dir, args.prompt, args.sample_tokens)))
+
+
+def print_summary(s):
+    from .metrics import human_bytes
+    print(f"\nrun {s['run_dir']}: {s['strategy']} x{s['workers']}, {s['steps']} steps, "
+          f"{s['tokens']:,} tokens, final eval loss {s['final_eval_loss']:.4f}")
+    print(f"each worker sent {human_bytes(s['bytes_sent_per_worker'])}; on {s['link']}: compute "
+          f"{s['compute_s']:.1f} s + exchange {s['modelled_comm_s']:.2f} s, utilisation {s['utilisation']:.1%}")
+
+
+def cmd_plan(args):
+    from .plan import print_plan
+    print_plan(args)
+
+
+def cmd_plot(args):
+    from .plot import plot_runs
+    print(plot_runs(args.runs, args.out, args.title))
+
+
+def cmd_generate(args):
+    from .generate import generate
+    print(args.prompt, end="", flush=True)
+    for piece in generate(args.run, args.prompt, args.max_tokens, args.temperature, args.seed):
+        print(piece, end="", flush=True)
+    print()
+
+
+def cmd_export(args):
+    from .export import export_mlx_lm
+    print(f"wrote {export_mlx_lm(args.run, args.out)} (load with mlx_lm.load)")
+
+
+def cmd_doctor(args):
+    from .doctor import report
+    print("\n".join(report()))
+
+
+def parse_count(text: str) -> float:
+    """'7e9', '7B', '124M' -> number."""
+    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(text[-1].lower(), None)
+    try:
+        return float(text[:-1]) * scale if scale else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a count like 7e9, 7B or 124M")
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="mlx-diloco", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("sim", help="simulate N workers on this machine")
+    add_config_flags(s)
+    s.add_argument("--run-dir", help="folder for metrics and checkpoints (default: runs/STRATEGY-xN-TIME)")
+    s.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
+    s.add_argument("--sample-tokens", type=int, default=100, help="tokens to sample at the end (0: none)")
+    s.add_argument("--prompt", default="ROMEO:", help="prompt for the final sample")
+    s.set_defaults(func=cmd_sim)
+
+    s = sub.add_parser("plan", help="what-if: sync time and utilisation for a model size, link and H")
+    s.add_argument("--params", type=parse_count, default=7e9, help="model parameters, e.g. 7B or 124M (default 7B)")
+    s.add_argument("--dtype", default="float16", choices=["float32", "float16", "bfloat16", "int8", "int4"],
+                   help="dtype of the exchanged values")
+    s.add_argument("--workers", type=int, default=2, help="workers in the ring")
+    s.add_argument("--sync-every", type=int, default=500, help="DiLoCo H")
+    s.add_argument("--step-time", type=float, default=60.0, help="seconds of compute per inner step")
+    s.add_argument("--total-steps", type=int, default=None, help="also print training time for this many steps")
+    s.add_argument("--link", action="append", help="link preset or 'BW/LATENCY' (repeatable; default: all presets)")
+    s.set_defaults(func=cmd_plan)
+
+    s = sub.add_parser("plot", help="plot eval loss of runs (PNG)")
+    s.add_argument("runs", nargs="+", help="run folders (or metrics.jsonl files)")
+    s.add_argument("--out", default="loss.png", help="PNG file to write")
+    s.add_argument("--title", default=None, help="figure title")
+    s.set_defaults(func=cmd_plot)
+
+    s = sub.add_parser("generate", help="sample text from a run's checkpoint")
+    s.add_argument("run", help="run folder")
+    s.add_argument("--prompt", default="ROMEO:", help="text to continue")
+    s.add_argument("--max-tokens", type=int, default=200, help="tokens to generate")
+    s.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (0: greedy)")
+    s.add_argument("--seed", type=int, default=0, help="sampling seed")
+    s.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("export", help="export a Llama-family run as an mlx-lm model folder")
+    s.add_argument("run", help="run folder")
+    s.add_argument("out", help="output folder")
+    s.set_defaults(func=cmd_export)
+
+    s = sub.add_parser("doctor", help="check this machine: MLX, BLAS speed, distributed backends, memory")
+    s.set_defaults(func=cmd_doctor)
+    return p
+
+
+def main(argv=None):
+    from .blas import ensure_fast_blas
+    ensure_fast_blas(None if argv is None else ["-m", "mlx_diloco", *argv])
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except ConfigError as e:
+        print(f"mlx-diloco: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("\ninterrupted; continue with: mlx-diloco sim --resume --run-dir RUN", file=sys.stderr)
+        sys.exit(130)

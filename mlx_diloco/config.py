@@ -1,0 +1,102 @@
+"""Run configuration: one dataclass with every training setting, checked on the way in."""
+
+import difflib
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """Bad user input; the CLI prints it as one line and exits non-zero."""
+
+
+def from_dict(cls, params: dict, what: str):
+    """Build dataclass `cls` from `params`, rejecting unknown keys with a did-you-mean hint."""
+    names = [f.name for f in fields(cls)]
+    for key in params:
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"valid: {', '.join(names)}"
+            raise ConfigError(f"unknown {what} '{key}'; {hint}")
+    return cls(**params)
+
+
+STRATEGIES = ("diloco", "ddp", "fedavg")
+COMM_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass
+class TrainConfig:
+    # What to train on
+    model: str = "small"            # preset name (models/*.json), a preset JSON file, or an mlx-lm model folder
+    data: str = "shakespeare"       # 'shakespeare' (embedded), 'fashion-mnist', a text file or a folder of .txt
+    tokenizer: str = ""             # '' trains a byte-level BPE on the corpus; or an HF/mlx-lm tokenizer folder
+    seq_len: int = 64
+    batch_size: int = 16            # sequences per worker per inner step
+    # The simulated (or real) cluster
+    workers: int = 4
+    strategy: str = "diloco"
+    sync_every: int = 50            # H: inner steps between outer steps
+    steps: int = 500                # inner steps per worker
+    # Inner optimizer: AdamW with PyTorch-equivalent settings
+    lr: float = 1e-3
+    warmup: int = 50
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0          # per-worker global-norm clip; 0 disables
+    # Outer optimizer: SGD with Nesterov momentum on the pseudo-gradient
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    comm_dtype: str = "float16"
+    # Evaluation, bookkeeping
+    eval_every: int = 0             # inner steps between evaluations; 0 = every outer step (or 50 for ddp)
+    eval_batches: int = 8
+    seed: int = 0
+    link: str = "1gbe"              # network preset (or 'BW[/LATENCY]', e.g. '100mbit/20ms') for the time model
+    vectorize: bool = True          # train simulated workers with mx.vmap (False: one after another)
+
+    @classmethod
+    def from_dict(cls, params: dict) -> "TrainConfig":
+        return from_dict(cls, params, what="config key").validated()
+
+    @classmethod
+    def from_file(cls, path) -> "TrainConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist; pass the path of a JSON config")
+        try:
+            params = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid JSON ({e.msg} at line {e.lineno})")
+        return cls.from_dict(params)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def checkpoint_every(self) -> int:
+        """Checkpoints are taken at outer-step boundaries, where every worker holds the global model."""
+        return self.sync_every if self.strategy != "ddp" else self.resolved_eval_every
+
+    @property
+    def resolved_eval_every(self) -> int:
+        if self.eval_every:
+            return self.eval_every
+        return self.sync_every if self.strategy != "ddp" else 50
+
+    def validated(self) -> "TrainConfig":
+        def need(ok, msg):
+            if not ok:
+                raise ConfigError(msg)
+        need(self.workers >= 1, f"workers must be >= 1 (got {self.workers}); pass --workers 1 or more")
+        need(self.sync_every >= 1, f"sync-every (H) must be >= 1 (got {self.sync_every}); pass --sync-every 1 or more")
+        need(self.steps >= 1, f"steps must be >= 1 (got {self.steps})")
+        need(self.batch_size >= 1, f"batch-size must be >= 1 (got {self.batch_size})")
+        need(self.seq_len >= 2, f"seq-len must be >= 2 (got {self.seq_len})")
+        need(self.lr > 0, f"lr must be > 0 (got {self.lr})")
+        need(self.eval_every >= 0 and self.eval_batches >= 1, "eval-every must be >= 0 and eval-batches >= 1")
+        need(0 <= self.outer_momentum < 1, f"outer-momentum must be in [0, 1) (got {self.outer_momentum})")
+        need(self.strategy in STRATEGIES, f"unknown strategy '{self.strategy}'; choose one of {', '.join(STRATEGIES)}")
+        need(self.comm_dtype in COMM_DTYPES, f"unknown comm-dtype '{self.comm_dtype}'; choose one of {', '.join(COMM_DTYPES)}")
+        return self

@@ -1,0 +1,243 @@
+"""Training data: where it comes from, how it is tokenized and cached, and how workers read it.
+
+Text is tokenized once (byte-level BPE trained on the corpus, or a given tokenizer folder) and
+cached as .npy token arrays that are memory-mapped afterwards. A dataset is a list of examples
+(for text: windows of seq_len + 1 tokens; for images: image and label). Each worker reads a
+disjoint shard through a `ShardSampler` whose cursor (epoch, position) is saved in checkpoints,
+so iteration is deterministic and resumable.
+"""
+
+import gzip
+import io
+import hashlib
+import json
+import lzma
+import os
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from .config import ConfigError
+from .atomic import atomic_write_bytes
+
+VAL_FRACTION = 0.05
+EMBEDDED = "shakespeare"
+FASHION_MNIST = "fashion-mnist"
+FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MLX_DILOCO_CACHE", Path.home() / ".cache" / "mlx-diloco"))
+
+
+# ---------------------------------------------------------------- text sources
+
+def load_text(source: str) -> str:
+    """The embedded Shakespeare corpus, a text file, or every .txt file of a folder (sorted)."""
+    if source == EMBEDDED:
+        with resources.files("mlx_diloco").joinpath("data/shakespeare.txt.xz").open("rb") as f:
+            return lzma.decompress(f.read()).decode("utf-8")
+    path = Path(source)
+    if not path.exists():
+        raise ConfigError(f"data path {path} does not exist; pass a text file, a folder of .txt files, "
+                          f"'{EMBEDDED}' or '{FASHION_MNIST}'")
+    files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
+    if not files:
+        raise ConfigError(f"data folder {path} holds no .txt files; put your text in .txt files")
+    text = "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+    if len(text) < 1000:
+        raise ConfigError(f"data {path} holds only {len(text)} characters; give at least a few kB of text")
+    return text
+
+
+# ---------------------------------------------------------------- tokenizers
+
+def train_bpe(text: str, vocab_size: int, out_dir: Path) -> None:
+    """Train a byte-level BPE tokenizer on `text`; save it as an HF tokenizer folder (mlx-lm loads it)."""
+    from tokenizers import ByteLevelBPETokenizer
+    tok = ByteLevelBPETokenizer()
+    lines = (line for line in text.splitlines(keepends=True))
+    tok.train_from_iterator(lines, vocab_size=vocab_size, min_frequency=2,
+                            special_tokens=["<|endoftext|>"], show_progress=False)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+        "bos_token": "<|endoftext|>", "model_max_length": 1 << 20}))
+
+
+class Tokenizer:
+    """Encode/decode with a tokenizer folder: fast path through `tokenizers`, else mlx-lm's loader."""
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        if (self.folder / "tokenizer.json").exists():
+            from tokenizers import Tokenizer as FastTokenizer
+            self._fast = FastTokenizer.from_file(str(self.folder / "tokenizer.json"))
+            self._hf = None
+            self.vocab_size = self._fast.get_vocab_size()
+        else:
+            from mlx_lm.utils import load_tokenizer
+            self._fast = None
+            self._hf = load_tokenizer(self.folder)
+            self.vocab_size = len(self._hf.vocab)
+
+    def encode(self, text: str) -> list:
+        if self._fast is not None:
+            return self._fast.encode(text).ids
+        return self._hf.encode(text, add_special_tokens=False)
+
+    def encode_corpus(self, text: str) -> np.ndarray:
+        chunks = [text[i:i + 100_000] for i in range(0, len(text), 100_000)]
+        if self._fast is not None:
+            ids = [e.ids for e in self._fast.encode_batch(chunks)]
+        else:
+            ids = [self.encode(c) for c in chunks]
+        return np.fromiter((t for chunk in ids for t in chunk), dtype=np.uint32)
+
+    def decode(self, ids) -> str:
+        return self._fast.decode(list(ids)) if self._fast is not None else self._hf.decode(list(ids))
+
+
+# ---------------------------------------------------------------- datasets
+
+class TokenExamples:
+    """Example i = (tokens[i*T : i*T+T], tokens[i*T+1 : i*T+T+1])."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        self.tokens, self.seq_len = tokens, seq_len
+        self.count = (len(tokens) - 1) // seq_len
+
+    def __len__(self):
+        return self.count
+
+    def get(self, indices):
+        T = self.seq_len
+        starts = np.asarray(indices, dtype=np.int64)[:, None] * T + np.arange(T + 1)
+        window = self.tokens[starts].astype(np.int32)
+        return window[:, :-1], window[:, 1:]
+
+
+class ImageExamples:
+    def __init__(self, images: np.ndarray, labels: np.ndarray):
+        self.images, self.labels = images, labels
+
+    def __len__(self):
+        return len(self.labels)
+
+    def get(self, indices):
+        idx = np.asarray(indices)
+        return self.images[idx], self.labels[idx].astype(np.int32)
+
+
+class Dataset:
+    """Train and validation examples, plus the tokenizer folder for text."""
+
+    def __init__(self, train, val, tokenizer_dir=None, vocab_size=None, name=""):
+        self.train, self.val = train, val
+        self.tokenizer_dir, self.vocab_size, self.name = tokenizer_dir, vocab_size, name
+
+    def eval_batches(self, batch_size: int, count: int):
+        """The same `count` validation batches every time (the first examples of the held-out split)."""
+        n = min(count, max(1, len(self.val) // batch_size))
+        return [self.val.get(range(i * batch_size, (i + 1) * batch_size)) for i in range(n)]
+
+
+def prepare_text(source: str, seq_len: int, vocab_size: int, tokenizer: str = "", log=print) -> Dataset:
+    """Tokenize `source` once (cached by content), and split off the last 5% for validation."""
+    text = load_text(source)
+    spec = f"bpe-{vocab_size}" if not tokenizer else f"tok-{Path(tokenizer).resolve()}"
+    key = hashlib.sha256(text.encode() + spec.encode()).hexdigest()[:16]
+    folder = cache_root() / "text" / key
+    tokens_file = folder / "tokens.npy"
+    if not tokens_file.exists():
+        log(f"tokenizing {source} ({len(text) / 1e6:.1f} MB) into {folder}")
+        folder.mkdir(parents=True, exist_ok=True)
+        tok_dir = folder / "tokenizer"
+        if tokenizer:
+            if not Path(tokenizer).is_dir():
+                raise ConfigError(f"tokenizer folder {tokenizer} does not exist; pass an HF/mlx-lm tokenizer folder")
+            tok_dir = Path(tokenizer).resolve()
+        else:
+            train_bpe(text, vocab_size, tok_dir)
+        tok = Tokenizer(tok_dir)
+        tokens = tok.encode_corpus(text)
+        dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
+        buf = io.BytesIO()
+        np.save(buf, tokens.astype(dtype))
+        (folder / "meta.json").write_text(json.dumps({"tokenizer": str(tok_dir), "vocab_size": tok.vocab_size,
+                                                      "tokens": int(len(tokens)), "source": source}))
+        atomic_write_bytes(tokens_file, buf.getvalue())  # written last: its presence marks a complete cache
+    meta = json.loads((folder / "meta.json").read_text())
+    tokens = np.load(tokens_file, mmap_mode="r")
+    n_val = max(int(len(tokens) * VAL_FRACTION), seq_len + 1)
+    if len(tokens) - n_val < 4 * (seq_len + 1):
+        raise ConfigError(f"data {source} has only {len(tokens)} tokens; too few for seq-len {seq_len}")
+    train = TokenExamples(tokens[:-n_val], seq_len)
+    val = TokenExamples(tokens[-n_val:], seq_len)
+    return Dataset(train, val, Path(meta["tokenizer"]), meta["vocab_size"], name=source)
+
+
+def _read_idx(path: Path) -> np.ndarray:
+    with gzip.open(path, "rb") as f:
+        raw = f.read()
+    ndim = raw[3]
+    shape = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
+
+
+def prepare_fashion_mnist(folder: Path = FASHION_MNIST_DIR) -> Dataset:
+    if not (folder / "train-images-idx3-ubyte.gz").exists():
+        raise ConfigError(f"Fashion-MNIST not found in {folder}; install it "
+                          "(Debian/Ubuntu: sudo apt-get install dataset-fashion-mnist)")
+    def split(prefix):
+        images = _read_idx(folder / f"{prefix}-images-idx3-ubyte.gz").astype(np.float32) / 255.0
+        labels = _read_idx(folder / f"{prefix}-labels-idx1-ubyte.gz")
+        return ImageExamples(images[..., None], labels)
+    return Dataset(split("train"), split("t10k"), name=FASHION_MNIST)
+
+
+def prepare(source: str, seq_len: int, vocab_size: int, tokenizer: str = "", log=print) -> Dataset:
+    if source == FASHION_MNIST:
+        return prepare_fashion_mnist()
+    return prepare_text(source, seq_len, vocab_size, tokenizer, log=log)
+
+
+# ---------------------------------------------------------------- sampling
+
+class ShardSampler:
+    """Worker `worker` of `num_workers` reads a contiguous, disjoint shard of the examples, in a
+    fresh seeded permutation each epoch. The cursor (epoch, pos) is the whole state."""
+
+    def __init__(self, num_examples: int, worker: int, num_workers: int, seed: int):
+        self.lo = num_examples * worker // num_workers
+        self.hi = num_examples * (worker + 1) // num_workers
+        if self.hi - self.lo < 1:
+            raise ConfigError(f"{num_workers} workers leave worker {worker} no data; use fewer workers or more data")
+        self.worker, self.seed = worker, seed
+        self.epoch, self.pos = 0, 0
+        self._order = None
+
+    def _permutation(self):
+        if self._order is None:
+            rng = np.random.default_rng([self.seed, self.worker, self.epoch])
+            self._order = self.lo + rng.permutation(self.hi - self.lo)
+        return self._order
+
+    def next_indices(self, batch_size: int) -> np.ndarray:
+        out = []
+        while len(out) < batch_size:
+            order = self._permutation()
+            take = order[self.pos:self.pos + batch_size - len(out)]
+            out.extend(take.tolist())
+            self.pos += len(take)
+            if self.pos >= len(order):
+                self.epoch, self.pos, self._order = self.epoch + 1, 0, None
+        return np.array(out)
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state(self, state: dict):
+        self.epoch, self.pos, self._order = int(state["epoch"]), int(state["pos"]), None

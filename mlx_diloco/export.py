@@ -1,0 +1,47 @@
+"""Load a trained model back from a run's checkpoint, and export it for mlx-lm."""
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_map
+
+from . import checkpoint
+from .config import ConfigError
+from .modelzoo import ModelSpec, build_model
+
+
+def load_trained_model(run_dir):
+    """(model with the global parameters, its ModelSpec, the run's tokenizer folder or None)."""
+    run_dir = Path(run_dir)
+    arrays, meta = checkpoint.load(run_dir)
+    spec = ModelSpec(meta["config"]["model"], meta["model_preset"])
+    if spec.type == "mlx-lm":
+        spec.path = Path(meta["config"]["model"])
+    model = build_model(spec)
+    strategy_state = arrays.get("strategy", {})
+    params = strategy_state.get("global") or tree_map(lambda p: p[0], arrays["workers"]["params"])
+    model.update(params)
+    mx.eval(model.parameters())
+    tokenizer = run_dir / "tokenizer"
+    return model, spec, tokenizer if tokenizer.is_dir() else None
+
+
+def export_mlx_lm(run_dir, out_dir) -> Path:
+    """Write an mlx-lm model folder (weights, config.json, tokenizer) for Llama-family runs."""
+    from mlx_lm.utils import save_config, save_model
+    model, spec, tokenizer = load_trained_model(run_dir)
+    if spec.type not in ("llama", "mlx-lm"):
+        raise ConfigError(f"model type '{spec.type}' has no mlx-lm architecture; export works for "
+                          "llama presets and mlx-lm model folders (use 'generate' for the others)")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_model(out, model)
+    config = {k: v for k, v in spec.params.items() if k != "type"}
+    config.setdefault("model_type", "llama")
+    save_config(config, out / "config.json")
+    if tokenizer:
+        for f in tokenizer.iterdir():
+            shutil.copy(f, out / f.name)
+    return out

@@ -1,0 +1,73 @@
+"""A model of the links between Macs, for time estimates of runs and for `mlx-diloco plan`.
+
+Ring all-reduce over M workers: 2(M-1) steps, each moving 1/M of the payload and paying the
+link latency once. Ring all-gather: M-1 steps, each moving one worker's payload.
+"""
+
+import re
+from dataclasses import dataclass
+
+from .config import ConfigError
+
+
+@dataclass(frozen=True)
+class Link:
+    name: str
+    bandwidth_bps: float   # bits per second, per direction
+    latency_s: float       # one-way
+
+    def describe(self) -> str:
+        return f"{self.name} ({format_bits(self.bandwidth_bps)}/s, {self.latency_s * 1e3:g} ms)"
+
+
+# Measured or typical IP throughput, not the marketing number (see REFERENCE.md).
+LINKS = {
+    "tb5": Link("Thunderbolt 5", 60e9, 0.0005),
+    "tb4": Link("Thunderbolt 4", 20e9, 0.0005),
+    "10gbe": Link("10 GbE", 9.4e9, 0.0002),
+    "1gbe": Link("1 GbE", 0.94e9, 0.0003),
+    "wifi": Link("Wi-Fi", 0.4e9, 0.010),
+    "internet": Link("home internet", 100e6, 0.020),
+    "datacenter": Link("data center", 200e9, 0.00001),
+}
+
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def format_bits(bps: float) -> str:
+    for unit, scale in (("Tbit", 1e12), ("Gbit", 1e9), ("Mbit", 1e6), ("kbit", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:g} {unit}"
+    return f"{bps:g} bit"
+
+
+def parse_link(text: str) -> Link:
+    """A preset name, or 'BANDWIDTH[/LATENCY]' such as '100mbit/20ms' or '1gbit'."""
+    key = text.lower().strip()
+    if key in LINKS:
+        return LINKS[key]
+    m = re.fullmatch(r"([\d.]+)\s*([kmgt]?)(?:bit|b)(?:ps|/s)?(?:\s*/\s*([\d.]+)\s*(ms|us|s))?", key)
+    if not m:
+        raise ConfigError(f"unknown link '{text}'; choose one of {', '.join(LINKS)} "
+                          "or give bandwidth[/latency] like '100mbit/20ms'")
+    bw = float(m.group(1)) * _UNITS[m.group(2)]
+    lat = float(m.group(3) or 0) * {"ms": 1e-3, "us": 1e-6, "s": 1.0, None: 0}[m.group(4)]
+    return Link(text, bw, lat)
+
+
+def all_reduce_time(payload_bytes: float, workers: int, link: Link) -> float:
+    if workers <= 1:
+        return 0.0
+    steps = 2 * (workers - 1)
+    return steps * (link.latency_s + payload_bytes / workers * 8 / link.bandwidth_bps)
+
+
+def all_gather_time(payload_bytes: float, workers: int, link: Link) -> float:
+    if workers <= 1:
+        return 0.0
+    return (workers - 1) * (link.latency_s + payload_bytes * 8 / link.bandwidth_bps)
+
+
+def collective_time(op: str, payload_bytes: float, workers: int, link: Link) -> float:
+    fn = all_reduce_time if op == "all_reduce" else all_gather_time
+    return fn(payload_bytes, workers, link)

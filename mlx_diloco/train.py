@@ -1,0 +1,198 @@
+"""The training run: the same loop drives the simulator and a real cluster worker.
+
+Which workers this process trains, and how they talk, come from the communicator; everything
+else (data shards, inner steps, strategy hooks, evaluation, metrics, checkpoints, the network
+time model) lives here once.
+"""
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_map
+from tqdm import tqdm
+
+from . import checkpoint
+from .comm import Communicator, tree_nbytes
+from .config import ConfigError, TrainConfig
+from .data import FASHION_MNIST, ShardSampler, prepare
+from .metrics import MetricsLog, human_bytes
+from .modelzoo import build_model, count_parameters, load_spec
+from .network import collective_time, parse_link
+from .strategies import make_strategy
+from .workers import Workers
+
+
+def saved_config(run_dir: Path) -> TrainConfig:
+    """The config of the run in `run_dir`, as its newest checkpoint recorded it."""
+    if checkpoint.latest_step(run_dir) is None:
+        raise ConfigError(f"nothing to resume in {run_dir}: no checkpoint; drop --resume to start a new run")
+    _, meta = checkpoint.load(run_dir)
+    return TrainConfig.from_dict(meta["config"])
+
+
+def check_new_run_dir(run_dir: Path):
+    """A new run never overwrites an existing one."""
+    if (run_dir / "latest.json").exists() or (run_dir / "metrics.jsonl").exists():
+        raise ConfigError(f"run folder {run_dir} already holds a run; pass --resume to continue it, "
+                          "or choose another --run-dir")
+
+
+def load_data_and_model(config: TrainConfig, log=print):
+    spec = load_spec(config.model)
+    if spec.is_language_model != (config.data != FASHION_MNIST):
+        raise ConfigError(f"model '{config.model}' does not fit data '{config.data}': "
+                          "the cnn preset trains on fashion-mnist, language models on text")
+    if spec.is_language_model and config.seq_len > spec.context_length:
+        raise ConfigError(f"seq-len {config.seq_len} exceeds model '{config.model}' context "
+                          f"{spec.context_length}; pass --seq-len {spec.context_length} or less")
+    tokenizer = config.tokenizer or (str(spec.path) if spec.path else "")
+    data = prepare(config.data, config.seq_len, spec.vocab_size or 0, tokenizer, log=log)
+    if data.vocab_size and spec.vocab_size and data.vocab_size > spec.vocab_size:
+        raise ConfigError(f"tokenizer has {data.vocab_size} tokens but model '{config.model}' only "
+                          f"{spec.vocab_size}; use a model preset with a larger vocab_size")
+    model = build_model(spec, seed=config.seed)
+    return spec, data, model
+
+
+class Run:
+    """One training run in this process, over the workers `comm` says it hosts."""
+
+    def __init__(self, config: TrainConfig, run_dir, comm: Communicator, reporter: bool = True,
+                 resume: bool = False, log=print):
+        self.run_dir, self.comm, self.reporter, self.log = Path(run_dir), comm, reporter, log
+        if resume:
+            config = saved_config(self.run_dir)
+        elif reporter:
+            check_new_run_dir(self.run_dir)
+        self.config = config
+        if comm.num_workers != config.workers:
+            raise ConfigError(f"the job has {comm.num_workers} workers but the config says {config.workers}")
+        self.spec, self.data, model = load_data_and_model(config, log=log)
+        self.link = parse_link(config.link)
+        self.strategy = make_strategy(comm, config)
+        self.strategy.setup(model.trainable_parameters())
+        vectorize = config.vectorize and self.spec.vmappable
+        if config.vectorize and not vectorize and comm.n_local > 1:
+            log(f"model '{config.model}' cannot be vmapped in MLX; training its replicas one after another")
+        self.workers = Workers(model, comm.n_local, config, vectorize=vectorize)
+        self.samplers = [ShardSampler(len(self.data.train), w, config.workers, config.seed)
+                         for w in comm.local_workers]
+        self.eval_batches = self.data.eval_batches(config.batch_size, config.eval_batches)
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        self.step = 0
+        self.compute_s = 0.0     # measured compute time of one worker
+        self.comm_s = 0.0        # modelled exchange time on the configured link
+        self.bytes_sent = 0      # by one worker
+        self.wall_start = time.time()
+        self.n_params = count_parameters(model)
+        if resume:
+            self._restore()
+        elif reporter:  # everything checked out: only now create the run folder
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
+            if self.data.tokenizer_dir:
+                shutil.copytree(self.data.tokenizer_dir, self.run_dir / "tokenizer", dirs_exist_ok=True)
+
+    # ------------------------------------------------------------ the loop
+    def next_batch(self):
+        xs, ys = zip(*(self.data.train.get(s.next_indices(self.config.batch_size)) for s in self.samplers))
+        return mx.array(np.stack(xs)), mx.array(np.stack(ys))
+
+    def train(self, stop_after: int = None) -> dict:
+        """Train to the configured step count (or stop after `stop_after` steps, for tests)."""
+        c = self.config
+        if self.step == 0:
+            self.evaluate(train_losses=None)
+        bar = tqdm(total=c.steps, initial=self.step, disable=not self.reporter, file=sys.stderr,
+                   desc=f"{c.strategy} x{c.workers}", dynamic_ncols=True)
+        loss_sum, loss_count, tokens_per_step = 0, 0, c.batch_size * c.seq_len * self.comm.n_local
+        while self.step < c.steps:
+            x, y = self.next_batch()
+            t0 = time.perf_counter()
+            losses = self.workers.step(x, y, self.strategy, self.step + 1)
+            dt = time.perf_counter() - t0
+            self.step += 1
+            self.compute_s += dt / self.comm.n_local
+            self._account_exchanges()
+            loss_sum, loss_count = loss_sum + losses, loss_count + 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses.mean().item():.3f}", tok_s=f"{tokens_per_step / dt:,.0f}",
+                            sent=human_bytes(self.bytes_sent))
+            if self.step % c.resolved_eval_every == 0 or self.step == c.steps:
+                self.evaluate(train_losses=loss_sum / loss_count)
+                loss_sum, loss_count = 0, 0
+            if self.strategy.is_sync_step(self.step) and (self.step % c.checkpoint_every == 0 or self.step == c.steps):
+                self.save_checkpoint()
+            if stop_after is not None and self.step >= stop_after:
+                break
+        bar.close()
+        return self.summary()
+
+    def _account_exchanges(self):
+        for r in self.comm.drain_records():
+            self.bytes_sent += r.sent_bytes
+            self.comm_s += collective_time(r.op, r.payload_bytes, self.comm.num_workers, self.link)
+
+    # ------------------------------------------------------------ evaluation and metrics
+    def global_params(self):
+        return self.strategy.global_params(self.workers.params)
+
+    def evaluate(self, train_losses):
+        c = self.config
+        global_loss = self.workers.eval_params(self.global_params(), self.eval_batches)
+        worker_losses = self.workers.eval_each(self.eval_batches).tolist()
+        if not self.reporter:
+            return
+        modelled = self.compute_s + self.comm_s
+        row = {
+            "step": self.step, "outer_step": self.step // c.sync_every if c.strategy != "ddp" else None,
+            "tokens": self.step * c.batch_size * c.seq_len * c.workers,
+            "eval_loss": global_loss, "eval_loss_workers": worker_losses,
+            "train_loss": None if train_losses is None else float(train_losses.mean().item()),
+            "train_loss_workers": None if train_losses is None else train_losses.tolist(),
+            "bytes_sent_per_worker": self.bytes_sent, "compute_s": self.compute_s,
+            "comm_s": self.comm_s, "modelled_time_s": modelled,
+            "utilisation": self.compute_s / modelled if modelled else 1.0,
+            "wall_s": time.time() - self.wall_start,
+            "strategy": c.strategy, "workers": c.workers, "sync_every": c.sync_every, "link": self.link.name,
+        }
+        self.metrics.write(row)
+
+    def summary(self) -> dict:
+        rows = MetricsLog.read(self.metrics.path) if self.reporter else []
+        last = rows[-1] if rows else {}
+        summary = {"run_dir": str(self.run_dir), "strategy": self.config.strategy,
+                   "workers": self.config.workers, "steps": self.step, "parameters": self.n_params,
+                   "final_eval_loss": last.get("eval_loss"), "tokens": last.get("tokens"),
+                   "bytes_sent_per_worker": self.bytes_sent, "compute_s": self.compute_s,
+                   "modelled_comm_s": self.comm_s, "utilisation": last.get("utilisation"),
+                   "link": self.link.describe()}
+        if self.reporter:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary
+
+    # ------------------------------------------------------------ checkpoints
+    def save_checkpoint(self):
+        arrays = {"workers": {"params": self.workers.params, "inner": self.workers.optimizer.state},
+                  "strategy": self.strategy.state()}
+        meta = {"config": self.config.to_dict(), "cursors": [s.state() for s in self.samplers],
+                "compute_s": self.compute_s, "comm_s": self.comm_s, "bytes_sent": self.bytes_sent,
+                "model_preset": self.spec.params, "vocab_size": self.data.vocab_size}
+        checkpoint.save(self.run_dir, self.step, arrays, meta)
+
+    def _restore(self):
+        arrays, meta = checkpoint.load(self.run_dir)
+        self.step = meta["step"]
+        self.workers.params = arrays["workers"]["params"]
+        self.workers.optimizer.state = arrays["workers"]["inner"]
+        self.strategy.load_state(arrays.get("strategy", {}))
+        for sampler, cursor in zip(self.samplers, meta["cursors"]):
+            sampler.load_state(cursor)
+        self.compute_s, self.comm_s, self.bytes_sent = meta["compute_s"], meta["comm_s"], meta["bytes_sent"]
+        self.metrics.truncate_after(self.step)
+        self.log(f"resumed {self.run_dir} at step {self.step}")

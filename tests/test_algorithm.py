@@ -1,0 +1,101 @@
+"""The DiLoCo algebra: Nesterov outer step, FedAvg = mean, H=1 DiLoCo = DDP with SGD."""
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_map
+
+from conftest import tiny_config
+from mlx_diloco.comm import SimCommunicator
+from mlx_diloco.train import Run
+
+
+def flat(tree):
+    return {k: np.array(v) for k, v in tree_flatten(tree)}
+
+
+def assert_trees_close(a, b, **tol):
+    fa, fb = flat(a), flat(b)
+    assert fa.keys() == fb.keys()
+    for k in fa:
+        np.testing.assert_allclose(fa[k], fb[k], err_msg=k, **tol)
+
+
+def make_run(tmp_path, name, **overrides):
+    config = tiny_config(**overrides)
+    return Run(config, tmp_path / name, SimCommunicator(config.workers), log=lambda m: None)
+
+
+def test_outer_step_is_nesterov_formula(tmp_path):
+    """v <- mu v + delta;  theta <- theta - eta (delta + mu v), checked over several outer steps."""
+    run = make_run(tmp_path, "r", strategy="diloco", comm_dtype="float32", outer_lr=0.7, outer_momentum=0.9)
+    theta = flat(run.strategy.global_model)
+    v = {k: np.zeros_like(p) for k, p in theta.items()}
+    for _ in range(3):
+        for _ in range(run.config.sync_every - 1):
+            run.workers.step(*run.next_batch(), run.strategy, run.step + 1)
+            run.step += 1
+        # the last inner step of the round, done by hand so we can see the local models
+        x, y = run.next_batch()
+        before = run.strategy.after_step
+        run.strategy.after_step = lambda params, step: params
+        run.workers.step(x, y, run.strategy, run.step + 1)
+        run.strategy.after_step = before
+        run.step += 1
+        local = flat(run.workers.params)
+        new_local = run.strategy.after_step(run.workers.params, run.step)
+        for k in theta:
+            delta = (theta[k][None] - local[k]).mean(axis=0)
+            v[k] = 0.9 * v[k] + delta
+            theta[k] = theta[k] - 0.7 * (delta + 0.9 * v[k])
+        got = flat(run.strategy.global_model)
+        for k in theta:
+            np.testing.assert_allclose(got[k], theta[k], rtol=1e-5, atol=1e-6, err_msg=k)
+        # every worker restarts from the new global model
+        np.testing.assert_allclose(flat(new_local)[k], np.broadcast_to(theta[k], local[k].shape), atol=1e-6)
+        run.workers.params = new_local
+
+
+def test_fedavg_global_is_mean_of_workers(tmp_path):
+    run = make_run(tmp_path, "r", strategy="fedavg", comm_dtype="float32", sync_every=3)
+    run.strategy.after_step, sync = (lambda p, s: p), run.strategy.after_step
+    for step in range(1, 4):
+        run.workers.step(*run.next_batch(), run.strategy, step)
+    mean = tree_map(lambda p: p.mean(axis=0), run.workers.params)
+    sync(run.workers.params, 3)
+    assert_trees_close(run.strategy.global_model, mean, rtol=1e-5, atol=1e-6)
+
+
+def test_diloco_h1_fedavg_equals_ddp_with_sgd(tmp_path):
+    """With inner SGD, H=1 and outer lr 1 / momentum 0, DiLoCo is exactly data-parallel SGD:
+    theta - mean(theta - (theta - lr g_m)) = theta - lr mean(g_m)."""
+    results = {}
+    for strategy, overrides in {"diloco": dict(sync_every=1, outer_lr=1.0, outer_momentum=0.0),
+                                "ddp": {}}.items():
+        run = make_run(tmp_path, strategy, strategy=strategy, comm_dtype="float32", grad_clip=0, **overrides)
+        run.workers.optimizer = optim.SGD(learning_rate=0.5)
+        run.workers.optimizer.init(run.workers.params)
+        for step in range(1, 6):
+            run.workers.step(*run.next_batch(), run.strategy, step)
+        results[strategy] = run.strategy.global_params(run.workers.params)
+    assert_trees_close(results["diloco"], results["ddp"], rtol=1e-4, atol=1e-6)
+    # and training did move the parameters
+    start = make_run(tmp_path, "start").strategy.global_params(None)
+    assert max(np.abs(a - b).max() for a, b in zip(flat(start).values(), flat(results["ddp"]).values())) > 1e-3
+
+
+def test_ddp_keeps_replicas_identical(tmp_path):
+    run = make_run(tmp_path, "r", strategy="ddp", workers=3, comm_dtype="float32")
+    for step in range(1, 4):
+        run.workers.step(*run.next_batch(), run.strategy, step)
+    for k, p in flat(run.workers.params).items():
+        np.testing.assert_allclose(p[1], p[0], atol=1e-6, err_msg=k)
+        np.testing.assert_allclose(p[2], p[0], atol=1e-6, err_msg=k)
+
+
+def test_pseudo_gradient_bytes_are_accounted(tmp_path):
+    run = make_run(tmp_path, "r", workers=4, sync_every=2, steps=4, comm_dtype="float16")
+    run.train()
+    # two outer steps, fp16 payload, ring all-reduce sends 2 (M-1)/M of it
+    payload = run.n_params * 2
+    assert run.bytes_sent == 2 * int(2 * 3 / 4 * payload)
