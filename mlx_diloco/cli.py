@@ -80,6 +80,19 @@ def cmd_sim(args):
         print("\nsample:", "".join(generate(run_dir, args.prompt, args.sample_tokens)))
 
 
+def cmd_worker(args):
+    """One worker of a real cluster job (started by an agent, or by hand with MLX_RANK/MLX_HOSTFILE)."""
+    from .ring import init_ring
+    from .train import Run
+    config = TrainConfig.from_file(args.config)
+    comm = init_ring()
+    rank = comm.local_workers[0]
+    run = Run(config, Path(args.run_dir), comm, reporter=rank == 0, log=lambda m: print(m, file=sys.stderr))
+    summary = run.train()
+    if rank == 0:
+        print_summary(summary)
+
+
 def print_summary(s):
     from .metrics import human_bytes
     print(f"\nrun {s['run_dir']}: {s['strategy']} x{s['workers']}, {s['steps']} steps, "
@@ -136,6 +149,11 @@ def build_parser():
     s.add_argument("--sample-tokens", type=int, default=100, help="tokens to sample at the end (0: none)")
     s.add_argument("--prompt", default="ROMEO:", help="prompt for the final sample")
     s.set_defaults(func=cmd_sim)
+
+    s = sub.add_parser("worker", help="run one worker of a cluster job (MLX_RANK and MLX_HOSTFILE set)")
+    s.add_argument("--config", required=True, help="the job's JSON config")
+    s.add_argument("--run-dir", required=True, help="folder for metrics and checkpoints (written by rank 0)")
+    s.set_defaults(func=cmd_worker)
 
     s = sub.add_parser("plan", help="what-if: sync time and utilisation for a model size, link and H")
     s.add_argument("--params", type=parse_count, default=7e9, help="model parameters, e.g. 7B or 124M (default 7B)")
