@@ -207,13 +207,14 @@ def prepare(source: str, seq_len: int, vocab_size: int, tokenizer: str = "", log
 # ---------------------------------------------------------------- sampling
 
 class ShardSampler:
-    """Worker `worker` of `num_workers` reads a contiguous, disjoint shard of the examples, in a
-    fresh seeded permutation each epoch. The cursor (epoch, pos) is the whole state."""
+    """Worker `worker` of `num_workers` reads a disjoint shard: every num_workers-th example,
+    in a fresh seeded permutation each epoch. Interleaved rather than contiguous, so that every
+    shard has the same distribution (a contiguous quarter of Shakespeare is a different set of
+    plays). The cursor (epoch, pos) is the whole state."""
 
     def __init__(self, num_examples: int, worker: int, num_workers: int, seed: int):
-        self.lo = num_examples * worker // num_workers
-        self.hi = num_examples * (worker + 1) // num_workers
-        if self.hi - self.lo < 1:
+        self.shard = np.arange(worker, num_examples, num_workers)
+        if len(self.shard) < 1:
             raise ConfigError(f"{num_workers} workers leave worker {worker} no data; use fewer workers or more data")
         self.worker, self.seed = worker, seed
         self.epoch, self.pos = 0, 0
@@ -222,7 +223,7 @@ class ShardSampler:
     def _permutation(self):
         if self._order is None:
             rng = np.random.default_rng([self.seed, self.worker, self.epoch])
-            self._order = self.lo + rng.permutation(self.hi - self.lo)
+            self._order = rng.permutation(self.shard)
         return self._order
 
     def next_indices(self, batch_size: int) -> np.ndarray:

@@ -84,6 +84,8 @@ class Run:
                          for w in comm.local_workers]
         self.eval_batches = self.data.eval_batches(config.batch_size, config.eval_batches)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        # Each process checkpoints the workers it hosts; rank 0 (or the simulator) in the run folder.
+        self.checkpoint_dir = self.run_dir if reporter else self.run_dir / f"worker-{comm.local_workers[0]}"
         self.step = 0
         self.compute_s = 0.0     # measured compute time of one worker
         self.comm_s = 0.0        # modelled exchange time on the configured link
@@ -107,7 +109,7 @@ class Run:
         """Train to the configured step count (or stop after `stop_after` steps, for tests)."""
         c = self.config
         if self.step == 0:
-            self.evaluate(train_losses=None)
+            self.evaluate(None, self.workers.eval_each(self.eval_batches).tolist())
         bar = tqdm(total=c.steps, initial=self.step, disable=not self.reporter, file=sys.stderr,
                    desc=f"{c.strategy} x{c.workers}", dynamic_ncols=True)
         loss_sum, loss_count, tokens_per_step = 0, 0, c.batch_size * c.seq_len * self.comm.n_local
@@ -118,13 +120,17 @@ class Run:
             dt = time.perf_counter() - t0
             self.step += 1
             self.compute_s += dt / self.comm.n_local
-            self._account_exchanges()
             loss_sum, loss_count = loss_sum + losses, loss_count + 1
+            evaluate = self.step % c.resolved_eval_every == 0 or self.step == c.steps
+            # The local models are evaluated before the outer step replaces them with the global one.
+            worker_losses = self.workers.eval_each(self.eval_batches).tolist() if evaluate else None
+            self.workers.params = self.strategy.after_step(self.workers.params, self.step)
+            self._account_exchanges()
             bar.update(1)
             bar.set_postfix(loss=f"{losses.mean().item():.3f}", tok_s=f"{tokens_per_step / dt:,.0f}",
                             sent=human_bytes(self.bytes_sent))
-            if self.step % c.resolved_eval_every == 0 or self.step == c.steps:
-                self.evaluate(train_losses=loss_sum / loss_count)
+            if evaluate:
+                self.evaluate(loss_sum / loss_count, worker_losses)
                 loss_sum, loss_count = 0, 0
             if self.strategy.is_sync_step(self.step) and (self.step % c.checkpoint_every == 0 or self.step == c.steps):
                 self.save_checkpoint()
@@ -142,10 +148,11 @@ class Run:
     def global_params(self):
         return self.strategy.global_params(self.workers.params)
 
-    def evaluate(self, train_losses):
+    def evaluate(self, train_losses, worker_losses):
+        """Write a metrics row: the global model's eval loss, and each local model's (taken
+        before the outer step, so the rows show how far the workers drifted apart)."""
         c = self.config
         global_loss = self.workers.eval_params(self.global_params(), self.eval_batches)
-        worker_losses = self.workers.eval_each(self.eval_batches).tolist()
         if not self.reporter:
             return
         modelled = self.compute_s + self.comm_s
@@ -183,10 +190,10 @@ class Run:
         meta = {"config": self.config.to_dict(), "cursors": [s.state() for s in self.samplers],
                 "compute_s": self.compute_s, "comm_s": self.comm_s, "bytes_sent": self.bytes_sent,
                 "model_preset": self.spec.params, "vocab_size": self.data.vocab_size}
-        checkpoint.save(self.run_dir, self.step, arrays, meta)
+        checkpoint.save(self.checkpoint_dir, self.step, arrays, meta)
 
     def _restore(self):
-        arrays, meta = checkpoint.load(self.run_dir)
+        arrays, meta = checkpoint.load(self.checkpoint_dir)
         self.step = meta["step"]
         self.workers.params = arrays["workers"]["params"]
         self.workers.optimizer.state = arrays["workers"]["inner"]

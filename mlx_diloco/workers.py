@@ -58,14 +58,14 @@ class Workers:
         return run
 
     def step(self, x, y, strategy, step: int) -> mx.array:
-        """One inner step of every local replica; `step` is the job-wide step number (1-based)."""
+        """One inner step of every local replica; `step` is the job-wide step number (1-based).
+        The strategy's after_step (the outer step) is left to the caller."""
         losses, grads = self._grads(self.params, x, y)
         grads = strategy.reduce_gradients(grads, step)
         if self.config.grad_clip > 0:
             grads = clip_per_worker(grads, self.config.grad_clip)
         self.params = self.optimizer.apply_gradients(grads, self.params)
         mx.eval(self.params, self.optimizer.state, losses)
-        self.params = strategy.after_step(self.params, step)
         return losses
 
     def eval_each(self, batches) -> mx.array:

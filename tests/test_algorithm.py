@@ -32,18 +32,11 @@ def test_outer_step_is_nesterov_formula(tmp_path):
     theta = flat(run.strategy.global_model)
     v = {k: np.zeros_like(p) for k, p in theta.items()}
     for _ in range(3):
-        for _ in range(run.config.sync_every - 1):
-            run.workers.step(*run.next_batch(), run.strategy, run.step + 1)
+        for _ in range(run.config.sync_every):
             run.step += 1
-        # the last inner step of the round, done by hand so we can see the local models
-        x, y = run.next_batch()
-        before = run.strategy.after_step
-        run.strategy.after_step = lambda params, step: params
-        run.workers.step(x, y, run.strategy, run.step + 1)
-        run.strategy.after_step = before
-        run.step += 1
+            run.workers.step(*run.next_batch(), run.strategy, run.step)
         local = flat(run.workers.params)
-        new_local = run.strategy.after_step(run.workers.params, run.step)
+        run.workers.params = run.strategy.after_step(run.workers.params, run.step)
         for k in theta:
             delta = (theta[k][None] - local[k]).mean(axis=0)
             v[k] = 0.9 * v[k] + delta
@@ -51,18 +44,16 @@ def test_outer_step_is_nesterov_formula(tmp_path):
         got = flat(run.strategy.global_model)
         for k in theta:
             np.testing.assert_allclose(got[k], theta[k], rtol=1e-5, atol=1e-6, err_msg=k)
-        # every worker restarts from the new global model
-        np.testing.assert_allclose(flat(new_local)[k], np.broadcast_to(theta[k], local[k].shape), atol=1e-6)
-        run.workers.params = new_local
+            # every worker restarts from the new global model
+            np.testing.assert_allclose(flat(run.workers.params)[k], np.broadcast_to(theta[k], local[k].shape), atol=1e-6)
 
 
 def test_fedavg_global_is_mean_of_workers(tmp_path):
     run = make_run(tmp_path, "r", strategy="fedavg", comm_dtype="float32", sync_every=3)
-    run.strategy.after_step, sync = (lambda p, s: p), run.strategy.after_step
     for step in range(1, 4):
         run.workers.step(*run.next_batch(), run.strategy, step)
     mean = tree_map(lambda p: p.mean(axis=0), run.workers.params)
-    sync(run.workers.params, 3)
+    run.strategy.after_step(run.workers.params, 3)
     assert_trees_close(run.strategy.global_model, mean, rtol=1e-5, atol=1e-6)
 
 
@@ -77,6 +68,7 @@ def test_diloco_h1_fedavg_equals_ddp_with_sgd(tmp_path):
         run.workers.optimizer.init(run.workers.params)
         for step in range(1, 6):
             run.workers.step(*run.next_batch(), run.strategy, step)
+            run.workers.params = run.strategy.after_step(run.workers.params, step)
         results[strategy] = run.strategy.global_params(run.workers.params)
     assert_trees_close(results["diloco"], results["ddp"], rtol=1e-4, atol=1e-6)
     # and training did move the parameters
