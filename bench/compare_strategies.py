@@ -53,7 +53,8 @@ def main():
         print(f"{name:8} {s['workers']:>7} {s['tokens']:>11,} {s['final_eval_loss']:>10.4f} "
               f"{s['bytes_sent_per_worker'] / 1e6:>10.1f} MB")
     ratio = results["diloco"]["final_eval_loss"] / results["ddp"]["final_eval_loss"]
-    print(f"DiLoCo / DDP eval loss: {ratio:.4f} ({(ratio - 1) * 100:+.2f}%)")
+    print(f"DiLoCo / DDP eval loss: {ratio:.4f} ({(ratio - 1) * 100:+.2f}%; target: within 3%: "
+          f"{'met' if ratio <= 1.03 else 'NOT met'})")
     print(f"single - DiLoCo eval loss: {results['single']['final_eval_loss'] - results['diloco']['final_eval_loss']:+.4f}")
     print(f"plot: {png}")
 

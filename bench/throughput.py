@@ -20,7 +20,8 @@ if __name__ == "__main__":
     ensure_fast_blas(sys.argv)
 
 
-def seconds_per_step(model_name, workers, batch_size, vectorize, steps, seq_len):
+def make_setup(model_name, workers, batch_size, vectorize, seq_len):
+    """A ready-to-step closure training `workers` replicas of batch `batch_size`."""
     import mlx.core as mx
     from mlx_diloco.comm import SimCommunicator
     from mlx_diloco.config import TrainConfig
@@ -37,15 +38,22 @@ def seconds_per_step(model_name, workers, batch_size, vectorize, steps, seq_len)
     strategy = make_strategy(SimCommunicator(workers), config)
     strategy.setup(model.trainable_parameters())
     w = Workers(model, workers, config, vectorize=vectorize)
-    idx = list(range(workers * batch_size))
-    x, y = (mx.array(a.reshape(workers, batch_size, -1)) for a in data.train.get(idx))
-    for step in range(1, 3):  # warm-up
-        w.step(x, y, strategy, step)
-    best = float("inf")
-    for step in range(3, 3 + steps):
-        t = time.perf_counter()
-        w.step(x, y, strategy, step)
-        best = min(best, time.perf_counter() - t)
+    x, y = (mx.array(a.reshape(workers, batch_size, -1)) for a in data.train.get(range(workers * batch_size)))
+    step = iter(range(1, 1 << 30))
+    return lambda: w.step(x, y, strategy, next(step))
+
+
+def best_step_times(setups: dict, rounds: int) -> dict:
+    """Round-robin over the setups, one step each per round, keeping each one's best time:
+    every setup sees the same machine conditions (this CPU's speed drifts by tens of %)."""
+    for run in setups.values():  # warm-up
+        run(), run()
+    best = {name: float("inf") for name in setups}
+    for _ in range(rounds):
+        for name, run in setups.items():
+            t = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - t)
     return best
 
 
@@ -54,24 +62,29 @@ def main():
     p.add_argument("--model", default="small", help="model preset")
     p.add_argument("--batch-size", type=int, default=8, help="B: sequences per worker per step")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per setup (the best is kept)")
+    p.add_argument("--steps", type=int, default=10, help="timed rounds (each setup's best step is kept)")
     p.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8], help="simulated worker counts")
     args = p.parse_args()
 
     B, T = args.batch_size, args.seq_len
-    measure = lambda n, b, vec: seconds_per_step(args.model, n, b, vec, args.steps, T)
-    alone = measure(1, B, True)
-    print(f"model {args.model}, B={B}, T={T}; best of {args.steps} steps each\n")
+    setups = {(1, B, True): make_setup(args.model, 1, B, True, T)}
+    for n in args.workers:
+        setups[(1, n * B, True)] = make_setup(args.model, 1, n * B, True, T)
+        for vec in (True, False):
+            setups[(n, B, vec)] = make_setup(args.model, n, B, vec, T)
+    best = best_step_times(setups, args.steps)
+
+    print(f"model {args.model}, B={B}, T={T}; best of {args.steps} interleaved steps each\n")
     print(f"{'setup':34} {'s/step':>8} {'tokens/s':>10} {'vs 1 worker with N*B':>22}")
+    alone = best[(1, B, True)]
     print(f"{'1 worker, batch B':34} {alone:8.3f} {B * T / alone:10,.0f}")
     for n in args.workers:
-        big = measure(1, n * B, True)
+        big = best[(1, n * B, True)]
         print(f"{f'1 worker, batch {n}*B':34} {big:8.3f} {n * B * T / big:10,.0f} {'1.000':>22}")
         for vec in (True, False):
-            t = measure(n, B, vec)
+            t = best[(n, B, vec)]
             label = f"sim {n} workers, {'vectorized' if vec else 'sequential'}"
             print(f"{label:34} {t:8.3f} {n * B * T / t:10,.0f} {t / big:22.3f}")
-
 
 if __name__ == "__main__":
     main()

@@ -36,7 +36,11 @@ def test_ring_run_matches_sim(tmp_path):
                                "--run-dir", tmp_path / "ring"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env={**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)})
              for rank in range(2)]
-    outs = [p.communicate(timeout=240) for p in procs]
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:  # a rank whose peer died would otherwise wait in a collective forever
+        for p in procs:
+            p.kill()
     assert all(p.returncode == 0 for p in procs), outs
 
     sim = Run(config, tmp_path / "sim", SimCommunicator(2), log=lambda m: None)
