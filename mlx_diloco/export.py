@@ -1,6 +1,5 @@
 """Load a trained model back from a run's checkpoint, and export it for mlx-lm."""
 
-import json
 import shutil
 from pathlib import Path
 

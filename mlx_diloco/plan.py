@@ -1,7 +1,7 @@
 """`mlx-diloco plan`: what-if estimates of sync time and utilisation for any model, link and H."""
 
 from .metrics import human_bytes
-from .network import LINKS, all_reduce_time, format_bits, parse_link
+from .network import LINKS, all_reduce_time, parse_link
 
 BYTES_PER = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int4": 0.5}
 

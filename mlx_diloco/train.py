@@ -13,11 +13,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_map
 from tqdm import tqdm
 
 from . import checkpoint
-from .comm import Communicator, tree_nbytes
+from .comm import Communicator
 from .config import ConfigError, TrainConfig
 from .data import FASHION_MNIST, ShardSampler, prepare
 from .metrics import MetricsLog, human_bytes

@@ -1,6 +1,5 @@
 """The DiLoCo algebra: Nesterov outer step, FedAvg = mean, H=1 DiLoCo = DDP with SGD."""
 
-import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map

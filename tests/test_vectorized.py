@@ -3,7 +3,7 @@
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
 from conftest import tiny_config
 from mlx_diloco.comm import SimCommunicator
