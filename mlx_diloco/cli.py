@@ -77,7 +77,7 @@ def cmd_sim(args):
     print_summary(summary)
     if run.spec.is_language_model and args.sample_tokens:
         from .generate import generate
-        print("\nsample:", "".join(generate(run_dir, args.prompt, args.sample_tokens)))
+        print("\nsample:\n" + args.prompt + "".join(generate(run_dir, args.prompt, args.sample_tokens)))
 
 
 def cmd_worker(args):
