@@ -134,9 +134,9 @@ class ImageExamples:
 class Dataset:
     """Train and validation examples, plus the tokenizer folder for text."""
 
-    def __init__(self, train, val, tokenizer_dir=None, vocab_size=None, name=""):
+    def __init__(self, train, val, tokenizer_dir=None, vocab_size=None):
         self.train, self.val = train, val
-        self.tokenizer_dir, self.vocab_size, self.name = tokenizer_dir, vocab_size, name
+        self.tokenizer_dir, self.vocab_size = tokenizer_dir, vocab_size
 
     def eval_batches(self, batch_size: int, count: int):
         """The same `count` validation batches every time (the first examples of the held-out split)."""
@@ -176,7 +176,7 @@ def prepare_text(source: str, seq_len: int, vocab_size: int, tokenizer: str = ""
         raise ConfigError(f"data {source} has only {len(tokens)} tokens; too few for seq-len {seq_len}")
     train = TokenExamples(tokens[:-n_val], seq_len)
     val = TokenExamples(tokens[-n_val:], seq_len)
-    return Dataset(train, val, Path(meta["tokenizer"]), meta["vocab_size"], name=source)
+    return Dataset(train, val, Path(meta["tokenizer"]), meta["vocab_size"])
 
 
 def _read_idx(path: Path) -> np.ndarray:
@@ -195,7 +195,7 @@ def prepare_fashion_mnist(folder: Path = FASHION_MNIST_DIR) -> Dataset:
         images = _read_idx(folder / f"{prefix}-images-idx3-ubyte.gz").astype(np.float32) / 255.0
         labels = _read_idx(folder / f"{prefix}-labels-idx1-ubyte.gz")
         return ImageExamples(images[..., None], labels)
-    return Dataset(split("train"), split("t10k"), name=FASHION_MNIST)
+    return Dataset(split("train"), split("t10k"))
 
 
 def prepare(source: str, seq_len: int, vocab_size: int, tokenizer: str = "", log=print) -> Dataset:

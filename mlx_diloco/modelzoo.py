@@ -67,12 +67,11 @@ def load_spec(name: str) -> ModelSpec:
     return ModelSpec(name, json.loads(preset.read_text()))
 
 
-def build_model(spec: ModelSpec, vocab_size: int = None, seed: int = 0) -> nn.Module:
-    """Build the model, randomly initialised from `seed` (or with its weights, for a model folder)."""
+def build_model(spec: ModelSpec, seed: int = 0) -> nn.Module:
+    """Build the model, randomly initialised from `seed` (or with its weights, for a model folder).
+    The vocabulary size is the preset's; the BPE tokenizer is trained to that size."""
     mx.random.seed(seed)
     params = {k: v for k, v in spec.params.items() if k != "type"}
-    if vocab_size is not None and "vocab_size" in params:
-        params["vocab_size"] = vocab_size
     if spec.type == "gpt":
         from .gpt import GPT, GPTArgs
         model = GPT(GPTArgs.from_dict(params))

@@ -107,7 +107,7 @@ class Run:
     def train(self, stop_after: int = None) -> dict:
         """Train to the configured step count (or stop after `stop_after` steps, for tests)."""
         c = self.config
-        if self.step == 0:
+        if self.step == 0 and self.reporter:
             self.evaluate(None, self.workers.eval_each(self.eval_batches).tolist())
         bar = tqdm(total=c.steps, initial=self.step, disable=not self.reporter, file=sys.stderr,
                    desc=f"{c.strategy} x{c.workers}", dynamic_ncols=True)
@@ -120,7 +120,7 @@ class Run:
             self.step += 1
             self.compute_s += dt / self.comm.n_local
             loss_sum, loss_count = loss_sum + losses, loss_count + 1
-            evaluate = self.step % c.resolved_eval_every == 0 or self.step == c.steps
+            evaluate = self.reporter and (self.step % c.resolved_eval_every == 0 or self.step == c.steps)
             # The local models are evaluated before the outer step replaces them with the global one.
             worker_losses = self.workers.eval_each(self.eval_batches).tolist() if evaluate else None
             self.workers.params = self.strategy.after_step(self.workers.params, self.step)
@@ -152,8 +152,6 @@ class Run:
         before the outer step, so the rows show how far the workers drifted apart)."""
         c = self.config
         global_loss = self.workers.eval_params(self.global_params(), self.eval_batches)
-        if not self.reporter:
-            return
         modelled = self.compute_s + self.comm_s
         row = {
             "step": self.step, "outer_step": self.step // c.sync_every if c.strategy != "ddp" else None,
