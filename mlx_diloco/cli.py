@@ -1,6 +1,7 @@
 """The `mlx-diloco` command line."""
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import fields
@@ -83,14 +84,94 @@ def cmd_sim(args):
 def cmd_worker(args):
     """One worker of a real cluster job (started by an agent, or by hand with MLX_RANK/MLX_HOSTFILE)."""
     from .ring import init_ring
-    from .train import Run
+    from .train import Placement, Run
     config = TrainConfig.from_file(args.config)
-    comm = init_ring()
+    comm = init_ring(args.collective_timeout)
     rank = comm.local_workers[0]
-    run = Run(config, Path(args.run_dir), comm, reporter=rank == 0, log=lambda m: print(m, file=sys.stderr))
+    run_dir = Path(args.run_dir)
+    place = Placement(shard_dir=args.data_dir, data_worker=args.data_worker, num_shards=args.num_shards,
+                      checkpoint_dir=run_dir if args.own_run_dir else None,
+                      progress_path=args.progress, resume_step=args.resume_step)
+    run = Run(config, run_dir, comm, reporter=rank == 0, resume=args.resume_step is not None,
+              log=lambda m: print(m, file=sys.stderr), place=place)
     summary = run.train()
     if rank == 0:
         print_summary(summary)
+
+
+def cmd_agent(args):
+    import logging
+    from .agent import serve
+    from .protocol import load_secret
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    serve(Path(args.state_dir).expanduser(), load_secret(secret_file=args.secret_file), args.port, args.bind,
+          mdns=not args.no_mdns)
+
+
+def found_agents(args):
+    """The agents named by --hosts (a list or a file), else those that answer on mDNS."""
+    from .agent import DEFAULT_PORT
+    from .discovery import browse, parse_hosts
+    if args.hosts:
+        text = Path(args.hosts).read_text() if Path(args.hosts).is_file() else args.hosts
+        return parse_hosts(text, DEFAULT_PORT)
+    found = browse(args.discover_timeout)
+    if not found:
+        raise ConfigError(f"no agent answered on mDNS within {args.discover_timeout:.0f} s; start "
+                          "'mlx-diloco agent' on each machine, or pass --hosts (Wi-Fi often blocks multicast)")
+    return found
+
+
+def cmd_discover(args):
+    from .discovery import AgentClient, AgentError
+    from .protocol import load_secret
+    secret = load_secret(secret_file=args.secret_file) if (args.secret_file or os.environ.get("MLX_DILOCO_SECRET")) else None
+    for f in found_agents(args):
+        line = f"{f.endpoint:24s} {f.properties.get('host', '?') if f.properties else '?'}"
+        if secret:
+            try:
+                a = AgentClient(f, secret).hello()
+                nets = ", ".join(f"{i['name']} {i['kind']} {i['address']}" for i in a["interfaces"] if i["kind"] != "loopback")
+                line = (f"{f.endpoint:24s} {a['host']}  mlx-diloco {a['version']}  {a['chip']}  "
+                        f"{a['memory'] / 2**30:.0f} GiB  [{nets}]  thunderbolt links: {len(a['thunderbolt'])}")
+            except (AgentError, ConfigError) as e:
+                line += f"  (hello failed: {e})"
+        elif f.properties:
+            line += f"  mlx-diloco {f.properties.get('version')}  {f.properties.get('chip')}  {f.properties.get('kinds')}"
+        print(line)
+
+
+def cmd_launch(args):
+    from .launcher import JobFailed, JobState, Launcher, Options
+    from .protocol import load_secret
+    secret = load_secret(secret_file=args.secret_file)
+    if args.resume:
+        if not args.run_dir:
+            raise ConfigError("--resume needs --run-dir naming the job to continue")
+        launcher = Launcher(JobState.load(Path(args.run_dir)), Path(args.run_dir), secret,
+                            log=lambda m: print(m, file=sys.stderr))
+    else:
+        given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name) is not None}
+        base = TrainConfig.from_file(args.config).to_dict() if args.config else {}
+        found = found_agents(args)
+        given.setdefault("workers", base.get("workers", len(found)))
+        config = TrainConfig.from_dict({**base, **given})
+        run_dir = Path(args.run_dir or f"runs/cluster-{config.strategy}-x{config.workers}-{time.strftime('%Y%m%d-%H%M%S')}")
+        options = Options(on_loss=args.on_loss, collective_timeout=args.collective_timeout,
+                          heartbeat_timeout=args.heartbeat_timeout, max_restarts=args.max_restarts,
+                          data_on_workers=args.data_on_workers)
+        launcher = Launcher.new(config, found, run_dir, secret, options, log=lambda m: print(m, file=sys.stderr))
+    try:
+        s = launcher.run(resume=args.resume)
+    except JobFailed as e:
+        raise ConfigError(f"job failed: {e}")
+    print(f"\njob {s['job']} in {s['run_dir']}: {s['workers']} workers, {s['steps']} steps, "
+          f"final eval loss {s['final_eval_loss']:.4f}, {s['restarts']} restart(s)")
+
+
+def cmd_secret(args):
+    import secrets
+    print(secrets.token_hex(24))
 
 
 def print_summary(s):
@@ -153,7 +234,52 @@ def build_parser():
     s = sub.add_parser("worker", help="run one worker of a cluster job (MLX_RANK and MLX_HOSTFILE set)")
     s.add_argument("--config", required=True, help="the job's JSON config")
     s.add_argument("--run-dir", required=True, help="folder for metrics and checkpoints (written by rank 0)")
+    s.add_argument("--own-run-dir", action="store_true",
+                   help="the run folder is this worker's alone: checkpoint into it whatever the rank")
+    s.add_argument("--data-dir", help="a shard folder shipped by the launcher (default: read the config's data)")
+    s.add_argument("--data-worker", type=int, help="which shard this worker trains (default: its rank)")
+    s.add_argument("--num-shards", type=int, help="how many shards the data was cut into (default: workers)")
+    s.add_argument("--resume-step", type=int, help="resume from this step's checkpoint")
+    s.add_argument("--collective-timeout", type=float, default=60.0,
+                   help="seconds a collective may wait for peers before this worker exits")
+    s.add_argument("--progress", help="JSON file rewritten every step with step, loss, tokens/s, sync time")
     s.set_defaults(func=cmd_worker)
+
+    s = sub.add_parser("agent", help="serve this machine to clusters (advertised over mDNS)")
+    s.add_argument("--port", type=int, default=52525, help="TCP port of the control protocol (0: any free port)")
+    s.add_argument("--bind", default="", help="address to listen on (default: all)")
+    s.add_argument("--state-dir", default="~/.mlx-diloco/agent", help="folder for received data, jobs and checkpoints")
+    s.add_argument("--secret-file", help="file holding the cluster secret (default: $MLX_DILOCO_SECRET)")
+    s.add_argument("--no-mdns", action="store_true", help="do not advertise over mDNS (launch with --hosts)")
+    s.set_defaults(func=cmd_agent)
+
+    def add_finding(s):
+        s.add_argument("--hosts", help="agents to use instead of mDNS: 'HOST[:PORT],...' or a file with one per line")
+        s.add_argument("--discover-timeout", type=float, default=3.0, help="seconds to browse mDNS for agents")
+        s.add_argument("--secret-file", help="file holding the cluster secret (default: $MLX_DILOCO_SECRET)")
+
+    s = sub.add_parser("discover", help="list the agents on the network")
+    add_finding(s)
+    s.set_defaults(func=cmd_discover)
+
+    s = sub.add_parser("launch", help="run a job on the agents of a real cluster")
+    add_config_flags(s)
+    add_finding(s)
+    s.add_argument("--run-dir", help="folder for the job's metrics and state (default: runs/cluster-...)")
+    s.add_argument("--resume", action="store_true", help="continue the job in --run-dir (after a launcher restart)")
+    s.add_argument("--on-loss", choices=["shrink", "wait"], default="shrink",
+                   help="when a machine is lost: go on with the rest, or wait for it to return")
+    s.add_argument("--collective-timeout", type=float, default=30.0,
+                   help="seconds a worker may wait in a collective (or between steps) before it counts as stalled")
+    s.add_argument("--heartbeat-timeout", type=float, default=5.0,
+                   help="seconds an agent may stay silent before its machine counts as lost")
+    s.add_argument("--max-restarts", type=int, default=5, help="restarts before the job is given up")
+    s.add_argument("--data-on-workers", action="store_true",
+                   help="the --data path exists on every machine: read it there instead of shipping shards")
+    s.set_defaults(func=cmd_launch)
+
+    s = sub.add_parser("secret", help="print a new random cluster secret")
+    s.set_defaults(func=cmd_secret)
 
     s = sub.add_parser("plan", help="what-if: sync time and utilisation for a model size, link and H")
     s.add_argument("--params", type=parse_count, default=7e9, help="model parameters, e.g. 7B or 124M (default 7B)")

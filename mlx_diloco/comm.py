@@ -10,6 +10,7 @@ adds what every transport shares: dtype handling, averaging, asynchronous starts
 DiLoCo can overlap an exchange with compute), and accounting of the bytes each worker sends.
 """
 
+import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -37,13 +38,12 @@ class CollectiveRecord:
 class Pending:
     """An exchange that has been started; `result()` waits for it."""
 
-    def __init__(self, tree):
-        self._tree = tree
+    def __init__(self, tree, comm: "Communicator"):
+        self._tree, self._comm = tree, comm
         mx.async_eval(self._tree)
 
     def result(self):
-        mx.eval(self._tree)
-        return self._tree
+        return self._comm._wait(self._tree)
 
 
 @dataclass
@@ -51,6 +51,7 @@ class Communicator:
     num_workers: int
     local_workers: list           # job-wide indices of the replicas on the leading axis
     records: list = field(default_factory=list)
+    wait_s: float = 0.0           # time spent waiting for exchanges to finish
 
     # ---- what a transport implements
     def _sum_workers(self, x: mx.array) -> mx.array:
@@ -60,6 +61,13 @@ class Communicator:
     def _gather_workers(self, x: mx.array) -> mx.array:
         """(n_local, ...) -> (num_workers, ...): every worker's slice, in worker order."""
         raise NotImplementedError
+
+    def _wait(self, tree):
+        """Evaluate an exchange (a transport may put a watchdog around this)."""
+        t0 = time.perf_counter()
+        mx.eval(tree)
+        self.wait_s += time.perf_counter() - t0
+        return tree
 
     # ---- what strategies call
     @property
@@ -75,14 +83,12 @@ class Communicator:
         wire = tree_map(lambda x: x.astype(DTYPES[dtype]), tree)
         self._record("all_reduce", wire)
         M = self.num_workers
-        return Pending(tree_map(lambda x: self._sum_workers(x).astype(mx.float32) / M, wire))
+        return Pending(tree_map(lambda x: self._sum_workers(x).astype(mx.float32) / M, wire), self)
 
     def all_gather(self, tree):
         """Every worker's values (for things that cannot be summed, e.g. quantized blocks)."""
         self._record("all_gather", tree)
-        out = tree_map(self._gather_workers, tree)
-        mx.eval(out)
-        return out
+        return self._wait(tree_map(self._gather_workers, tree))
 
     def broadcast_local(self, tree):
         """Give every local worker the same values: (...) -> (n_local, ...)."""

@@ -112,11 +112,24 @@ class TokenExamples:
     def __len__(self):
         return self.count
 
+    def windows(self, indices) -> np.ndarray:
+        """(len(indices), seq_len + 1) tokens: each example's inputs and, shifted by one, targets."""
+        starts = np.asarray(indices, dtype=np.int64)[:, None] * self.seq_len + np.arange(self.seq_len + 1)
+        return self.tokens[starts]
+
     def get(self, indices):
-        T = self.seq_len
-        starts = np.asarray(indices, dtype=np.int64)[:, None] * T + np.arange(T + 1)
-        window = self.tokens[starts].astype(np.int32)
+        window = self.windows(indices).astype(np.int32)
         return window[:, :-1], window[:, 1:]
+
+
+class WindowExamples(TokenExamples):
+    """Examples already cut into windows: one worker's shard as a cluster launcher ships it."""
+
+    def __init__(self, windows: np.ndarray):
+        self._windows, self.seq_len, self.count = windows, windows.shape[1] - 1, len(windows)
+
+    def windows(self, indices) -> np.ndarray:
+        return self._windows[np.asarray(indices, dtype=np.int64)]
 
 
 class ImageExamples:
@@ -132,11 +145,12 @@ class ImageExamples:
 
 
 class Dataset:
-    """Train and validation examples, plus the tokenizer folder for text."""
+    """Train and validation examples, plus the tokenizer folder for text. `is_shard`: the train
+    examples are one worker's shard already (shipped to a cluster worker), not the whole corpus."""
 
-    def __init__(self, train, val, tokenizer_dir=None, vocab_size=None):
+    def __init__(self, train, val, tokenizer_dir=None, vocab_size=None, is_shard=False):
         self.train, self.val = train, val
-        self.tokenizer_dir, self.vocab_size = tokenizer_dir, vocab_size
+        self.tokenizer_dir, self.vocab_size, self.is_shard = tokenizer_dir, vocab_size, is_shard
 
     def eval_batches(self, batch_size: int, count: int):
         """The same `count` validation batches every time (the first examples of the held-out split)."""
@@ -198,6 +212,38 @@ def prepare_fashion_mnist(folder: Path = FASHION_MNIST_DIR) -> Dataset:
     return Dataset(split("train"), split("t10k"))
 
 
+# ---------------------------------------------------------------- shards shipped to cluster workers
+
+def write_shard(data: Dataset, worker: int, num_workers: int, folder: Path) -> Path:
+    """Write worker `worker`'s shard (its train examples, in shard order), the held-out split and the
+    tokenizer into `folder`: everything a cluster worker needs, so the corpus stays on the launcher."""
+    if not isinstance(data.train, TokenExamples):
+        raise ConfigError("only text datasets can be shipped to workers; for fashion-mnist install "
+                          "dataset-fashion-mnist on every machine and pass --data-on-workers")
+    folder.mkdir(parents=True, exist_ok=True)
+    ids = shard_indices(len(data.train), worker, num_workers)
+    np.save(folder / "train.npy", np.ascontiguousarray(data.train.windows(ids)))
+    np.save(folder / "val.npy", np.ascontiguousarray(data.val.windows(range(len(data.val)))))
+    tok = folder / "tokenizer"
+    tok.mkdir(exist_ok=True)
+    for f in Path(data.tokenizer_dir).iterdir():
+        if f.is_file():
+            (tok / f.name).write_bytes(f.read_bytes())
+    (folder / "meta.json").write_text(json.dumps({"worker": worker, "num_workers": num_workers,
+                                                  "vocab_size": data.vocab_size}))
+    return folder
+
+
+def load_shard(folder: Path) -> Dataset:
+    folder = Path(folder)
+    if not (folder / "meta.json").exists():
+        raise ConfigError(f"{folder} is not a shard folder (no meta.json)")
+    meta = json.loads((folder / "meta.json").read_text())
+    train = WindowExamples(np.load(folder / "train.npy", mmap_mode="r"))
+    val = WindowExamples(np.load(folder / "val.npy", mmap_mode="r"))
+    return Dataset(train, val, folder / "tokenizer", meta["vocab_size"], is_shard=True)
+
+
 def prepare(source: str, seq_len: int, vocab_size: int, tokenizer: str = "", log=print) -> Dataset:
     if source == FASHION_MNIST:
         return prepare_fashion_mnist()
@@ -206,14 +252,19 @@ def prepare(source: str, seq_len: int, vocab_size: int, tokenizer: str = "", log
 
 # ---------------------------------------------------------------- sampling
 
+def shard_indices(num_examples: int, worker: int, num_workers: int) -> np.ndarray:
+    return np.arange(worker, num_examples, num_workers)
+
+
 class ShardSampler:
     """Worker `worker` of `num_workers` reads a disjoint shard: every num_workers-th example,
     in a fresh seeded permutation each epoch. Interleaved rather than contiguous, so that every
     shard has the same distribution (a contiguous quarter of Shakespeare is a different set of
     plays). The cursor (epoch, pos) is the whole state."""
 
-    def __init__(self, num_examples: int, worker: int, num_workers: int, seed: int):
-        self.shard = np.arange(worker, num_examples, num_workers)
+    def __init__(self, num_examples: int, worker: int, num_workers: int, seed: int, is_shard: bool = False):
+        # is_shard: the examples are this worker's shard already (same order, same permutations)
+        self.shard = np.arange(num_examples) if is_shard else shard_indices(num_examples, worker, num_workers)
         if len(self.shard) < 1:
             raise ConfigError(f"{num_workers} workers leave worker {worker} no data; use fewer workers or more data")
         self.worker, self.seed = worker, seed

@@ -2,17 +2,38 @@
 
 Collectives run on the CPU stream even on Metal, on inputs evaluated beforehand, so no GPU
 command buffer ever waits on a peer (REFERENCE.md: Metal's watchdog kills buffers that wait).
+
+MLX's ring raises ~1 s after a peer dies but waits forever on a peer that stalls, and a group
+cannot be re-formed in a process. So every wait on the ring runs under a watchdog: past the
+collective timeout the process prints every thread's stack and exits, and the launcher restarts
+the job from its last checkpoint.
 """
+
+import faulthandler
+import sys
+from contextlib import contextmanager
 
 import mlx.core as mx
 
 from .comm import Communicator
 
+WATCHDOG_EXIT_MARK = "Timeout ("  # how faulthandler's dump starts; the agent looks for it
+
+
+@contextmanager
+def watchdog(timeout_s: float):
+    """Exit the process if the block has not finished after `timeout_s` seconds."""
+    faulthandler.dump_traceback_later(timeout_s, exit=True, file=sys.stderr)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
 
 class RingCommunicator(Communicator):
-    def __init__(self, group):
+    def __init__(self, group, timeout_s: float = 60.0):
         super().__init__(group.size(), [group.rank()])
-        self.group = group
+        self.group, self.timeout_s = group, timeout_s
 
     def _sum_workers(self, x):
         mx.eval(x)
@@ -22,8 +43,14 @@ class RingCommunicator(Communicator):
         mx.eval(x)
         return mx.distributed.all_gather(x, group=self.group, stream=mx.cpu)
 
+    def _wait(self, tree):
+        with watchdog(self.timeout_s):
+            return super()._wait(tree)
 
-def init_ring() -> RingCommunicator:
-    """Join the group described by MLX_RANK and MLX_HOSTFILE."""
-    group = mx.distributed.init(backend="ring", strict=True)
-    return RingCommunicator(group)
+
+def init_ring(timeout_s: float = 60.0) -> RingCommunicator:
+    """Join the group described by MLX_RANK and MLX_HOSTFILE (under the watchdog: a peer that
+    never comes up must not keep this process waiting forever)."""
+    with watchdog(max(timeout_s, 30.0)):
+        group = mx.distributed.init(backend="ring", strict=True)
+    return RingCommunicator(group, timeout_s)

@@ -9,6 +9,7 @@ import json
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -18,7 +19,8 @@ from tqdm import tqdm
 from . import checkpoint
 from .comm import Communicator
 from .config import ConfigError, TrainConfig
-from .data import FASHION_MNIST, ShardSampler, prepare
+from .atomic import atomic_write_text
+from .data import FASHION_MNIST, ShardSampler, load_shard, prepare
 from .metrics import MetricsLog, human_bytes
 from .modelzoo import build_model, count_parameters, load_spec
 from .network import collective_time, parse_link
@@ -41,7 +43,8 @@ def check_new_run_dir(run_dir: Path):
                           "or choose another --run-dir")
 
 
-def load_data_and_model(config: TrainConfig, log=print):
+def load_data_and_model(config: TrainConfig, log=print, shard_dir=None):
+    """The model and the data: the corpus named in the config, or a shard shipped to this worker."""
     spec = load_spec(config.model)
     if spec.is_language_model != (config.data != FASHION_MNIST):
         raise ConfigError(f"model '{config.model}' does not fit data '{config.data}': "
@@ -50,7 +53,10 @@ def load_data_and_model(config: TrainConfig, log=print):
         raise ConfigError(f"seq-len {config.seq_len} exceeds model '{config.model}' context "
                           f"{spec.context_length}; pass --seq-len {spec.context_length} or less")
     tokenizer = config.tokenizer or (str(spec.path) if spec.path else "")
-    data = prepare(config.data, config.seq_len, spec.vocab_size or 0, tokenizer, log=log)
+    if shard_dir:
+        data = load_shard(shard_dir)
+    else:
+        data = prepare(config.data, config.seq_len, spec.vocab_size or 0, tokenizer, log=log)
     if data.vocab_size and spec.vocab_size and data.vocab_size > spec.vocab_size:
         raise ConfigError(f"tokenizer has {data.vocab_size} tokens but model '{config.model}' only "
                           f"{spec.vocab_size}; use a model preset with a larger vocab_size")
@@ -58,20 +64,35 @@ def load_data_and_model(config: TrainConfig, log=print):
     return spec, data, model
 
 
+@dataclass
+class Placement:
+    """Where a cluster worker's pieces are, when they differ from the simulator's defaults."""
+    shard_dir: str = None          # a shard shipped by the launcher (default: read config.data)
+    data_worker: int = None        # which shard this process trains (default: its rank)
+    num_shards: int = None         # how many shards the data was cut into (default: config.workers)
+    checkpoint_dir: str = None     # default: the run folder (rank 0) or run_dir/worker-RANK
+    progress_path: str = None      # a small JSON file rewritten every step, for the agent to report
+    resume_step: int = None        # resume from this checkpoint rather than the newest
+
+
 class Run:
     """One training run in this process, over the workers `comm` says it hosts."""
 
     def __init__(self, config: TrainConfig, run_dir, comm: Communicator, reporter: bool = True,
-                 resume: bool = False, log=print):
+                 resume: bool = False, log=print, place: Placement = Placement()):
         self.run_dir, self.comm, self.reporter, self.log = Path(run_dir), comm, reporter, log
-        if resume:
-            config = saved_config(self.run_dir)
+        self.place = place
+        # Each process checkpoints the workers it hosts; rank 0 (or the simulator) in the run folder.
+        self.checkpoint_dir = Path(place.checkpoint_dir or (
+            self.run_dir if reporter else self.run_dir / f"worker-{comm.local_workers[0]}"))
+        if resume and config is None:
+            config = saved_config(self.checkpoint_dir)
         elif reporter:
             check_new_run_dir(self.run_dir)
         self.config = config
         if comm.num_workers != config.workers:
             raise ConfigError(f"the job has {comm.num_workers} workers but the config says {config.workers}")
-        self.spec, self.data, model = load_data_and_model(config, log=log)
+        self.spec, self.data, model = load_data_and_model(config, log=log, shard_dir=place.shard_dir)
         self.link = parse_link(config.link)
         self.strategy = make_strategy(comm, config)
         self.strategy.setup(model.trainable_parameters())
@@ -79,12 +100,11 @@ class Run:
         if config.vectorize and not vectorize and comm.n_local > 1:
             log(f"model '{config.model}' cannot be vmapped in MLX; training its replicas one after another")
         self.workers = Workers(model, comm.n_local, config, vectorize=vectorize)
-        self.samplers = [ShardSampler(len(self.data.train), w, config.workers, config.seed)
-                         for w in comm.local_workers]
+        data_workers = comm.local_workers if place.data_worker is None else [place.data_worker]
+        self.samplers = [ShardSampler(len(self.data.train), w, place.num_shards or config.workers, config.seed,
+                                      is_shard=self.data.is_shard) for w in data_workers]
         self.eval_batches = self.data.eval_batches(config.batch_size, config.eval_batches)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
-        # Each process checkpoints the workers it hosts; rank 0 (or the simulator) in the run folder.
-        self.checkpoint_dir = self.run_dir if reporter else self.run_dir / f"worker-{comm.local_workers[0]}"
         self.step = 0
         self.compute_s = 0.0     # measured compute time of one worker
         self.comm_s = 0.0        # modelled exchange time on the configured link
@@ -125,6 +145,8 @@ class Run:
             worker_losses = self.workers.eval_each(self.eval_batches).tolist() if evaluate else None
             self.workers.params = self.strategy.after_step(self.workers.params, self.step)
             self._account_exchanges()
+            if self.place.progress_path:
+                self._write_progress(losses, tokens_per_step / dt)
             bar.update(1)
             bar.set_postfix(loss=f"{losses.mean().item():.3f}", tok_s=f"{tokens_per_step / dt:,.0f}",
                             sent=human_bytes(self.bytes_sent))
@@ -137,6 +159,11 @@ class Run:
                 break
         bar.close()
         return self.summary()
+
+    def _write_progress(self, losses, tokens_per_s):
+        atomic_write_text(self.place.progress_path, json.dumps({
+            "step": self.step, "steps": self.config.steps, "loss": float(losses.mean().item()),
+            "tokens_per_s": tokens_per_s, "sync_s": self.comm.wait_s, "time": time.time()}))
 
     def _account_exchanges(self):
         for r in self.comm.drain_records():
@@ -160,7 +187,7 @@ class Run:
             "train_loss": None if train_losses is None else float(train_losses.mean().item()),
             "train_loss_workers": None if train_losses is None else train_losses.tolist(),
             "bytes_sent_per_worker": self.bytes_sent, "compute_s": self.compute_s,
-            "comm_s": self.comm_s, "modelled_time_s": modelled,
+            "comm_s": self.comm_s, "modelled_time_s": modelled, "sync_wait_s": self.comm.wait_s,
             "utilisation": self.compute_s / modelled if modelled else 1.0,
             "wall_s": time.time() - self.wall_start,
             "strategy": c.strategy, "workers": c.workers, "sync_every": c.sync_every, "link": self.link.name,
@@ -190,7 +217,7 @@ class Run:
         checkpoint.save(self.checkpoint_dir, self.step, arrays, meta)
 
     def _restore(self):
-        arrays, meta = checkpoint.load(self.checkpoint_dir)
+        arrays, meta = checkpoint.load(self.checkpoint_dir, self.place.resume_step)
         self.step = meta["step"]
         self.workers.params = arrays["workers"]["params"]
         self.workers.optimizer.state = arrays["workers"]["inner"]

@@ -1,0 +1,313 @@
+"""`mlx-diloco agent`: the long-running service on each machine of a cluster.
+
+It advertises itself over mDNS (`_mlx-diloco._tcp.local.`), answers the control protocol
+(protocol.py) and starts, watches and stops this machine's worker process for a job. It keeps
+blobs sent by launchers (data shards, by content hash) and each job's worker folder (checkpoints,
+logs) under its state folder, so a restarted job resumes from what is on disk.
+
+The only program an agent ever starts is `python -m mlx_diloco worker`, with a job description it
+has validated itself (TrainConfig, ring addresses, names that cannot leave the state folder).
+"""
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import socketserver
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from . import hostinfo, protocol
+from .config import ConfigError, TrainConfig
+from .ring import WATCHDOG_EXIT_MARK
+
+SERVICE_TYPE = "_mlx-diloco._tcp.local."
+DEFAULT_PORT = 52525
+log = logging.getLogger("mlx_diloco.agent")
+
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+_ADDRESS = re.compile(r"[0-9A-Za-z.:\[\]-]{1,64}:[0-9]{1,5}")
+_FILE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}(/[A-Za-z0-9_.-]{1,64})?")
+
+
+class Refused(Exception):
+    """A well-formed request the agent will not carry out (the message says why)."""
+
+
+def _need(ok, message):
+    if not ok:
+        raise Refused(message)
+
+
+class WorkerProcess:
+    """One job's worker on this machine."""
+
+    def __init__(self, popen, folder: Path, run_dir: Path, rank: int):
+        self.popen, self.folder, self.run_dir, self.rank = popen, folder, run_dir, rank
+
+    def state(self) -> dict:
+        code = self.popen.poll()
+        log_path = self.folder / "worker.log"
+        tail = log_path.read_text(errors="replace")[-3000:] if code is not None and log_path.exists() else ""
+        progress_file = self.folder / "progress.json"
+        try:
+            progress = json.loads(progress_file.read_text())
+            progress["age_s"] = time.time() - progress_file.stat().st_mtime
+        except (OSError, ValueError):
+            progress = None
+        return {"state": "running" if code is None else "exited", "returncode": code, "pid": self.popen.pid,
+                "rank": self.rank, "progress": progress, "log_tail": tail,
+                "watchdog": WATCHDOG_EXIT_MARK in tail}
+
+    def kill(self):
+        if self.popen.poll() is None:
+            try:  # the whole process group: SIGKILL also ends a stopped (SIGSTOPped) worker
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.popen.wait()
+
+
+class Agent:
+    def __init__(self, state_dir: Path, secret: bytes):
+        self.state_dir = Path(state_dir)
+        (self.state_dir / "blobs").mkdir(parents=True, exist_ok=True)
+        (self.state_dir / "jobs").mkdir(exist_ok=True)
+        id_file = self.state_dir / "agent-id"
+        if not id_file.exists():
+            id_file.write_text(uuid.uuid4().hex)
+        self.id = id_file.read_text().strip()
+        self.secret = secret
+        self.jobs = {}
+        self.lock = threading.Lock()
+
+    # ------------------------------------------------------------ requests
+    def handle(self, msg: dict) -> dict:
+        handler = getattr(self, "on_" + msg["type"])
+        return {"type": "ok", **(handler(msg) or {})}
+
+    def on_hello(self, msg):
+        return {"agent": hostinfo.describe(self.id), "protocol": protocol.VERSION}
+
+    def on_heartbeat(self, msg):
+        return {"time": time.time()}
+
+    def _blob(self, digest: str) -> Path:
+        _need(_DIGEST.fullmatch(digest), "digest must be 64 lowercase hex characters (sha256)")
+        return self.state_dir / "blobs" / digest
+
+    def on_has_blob(self, msg):
+        return {"present": self._blob(msg["digest"]).exists()}
+
+    def on_put_chunk(self, msg):
+        """Chunks arrive in order; the last one is checked against the digest before it counts."""
+        final = self._blob(msg["digest"])
+        partial = final.with_name(final.name + ".partial")
+        with self.lock:
+            if final.exists():
+                return {"complete": True}
+            have = partial.stat().st_size if partial.exists() else 0
+            _need(msg["offset"] == have, f"chunk at offset {msg['offset']}, expected {have}")
+            _need(0 < msg["size"] < 1 << 40 and have + len(msg["data"]) <= msg["size"], "chunk past the blob's size")
+            with open(partial, "ab") as f:
+                f.write(msg["data"])
+            if have + len(msg["data"]) < msg["size"]:
+                return {"complete": False}
+            h = hashlib.sha256()
+            with open(partial, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+            if h.hexdigest() != msg["digest"]:
+                partial.unlink()
+                raise Refused("checksum mismatch: the blob was corrupted on the way; send it again")
+            partial.replace(final)
+            return {"complete": True}
+
+    def _job_dir(self, job: str) -> Path:
+        _need(hostinfo.valid_name(job), "job names are 1-64 letters, digits, '_', '.', '-'")
+        return self.state_dir / "jobs" / job
+
+    def on_prepare(self, msg):
+        """A free port for this machine's ring endpoint in the job."""
+        self._job_dir(msg["job"])
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return {"port": s.getsockname()[1]}
+
+    def on_start(self, msg):
+        folder = self._job_dir(msg["job"])
+        try:
+            config = TrainConfig.from_dict(msg["config"])
+        except (ConfigError, TypeError) as e:
+            raise Refused(f"invalid job config: {e}")
+        hostfile = msg["hostfile"]
+        _need(len(hostfile) == config.workers and 0 <= msg["rank"] < config.workers,
+              "the hostfile must have one entry per worker, and rank must index it")
+        _need(all(isinstance(e, list) and e and all(isinstance(a, str) and _ADDRESS.fullmatch(a) for a in e)
+                  for e in hostfile), "hostfile entries must be lists of 'ip:port'")
+        _need(0 <= msg["worker_id"] < 4096 and 0 < msg["collective_timeout"] <= 86400, "worker_id or timeout out of range")
+        _need(msg["resume_step"] is None or msg["resume_step"] >= 0, "resume_step must be >= 0")
+        with self.lock:
+            old = self.jobs.get(msg["job"])
+            _need(old is None or old.popen.poll() is not None, f"job {msg['job']} is already running here; stop it first")
+            folder.mkdir(parents=True, exist_ok=True)
+            run_dir = folder / f"worker-{msg['worker_id']}"
+            if msg["resume_step"] is None and run_dir.exists():  # a fresh start: old checkpoints must not count
+                shutil.rmtree(run_dir)
+            args = ["--config", str(folder / "config.json"), "--run-dir", str(run_dir), "--own-run-dir",
+                    "--data-worker", str(msg["worker_id"]), "--collective-timeout", str(msg["collective_timeout"]),
+                    "--progress", str(folder / "progress.json")]
+            args += self._materialize_data(folder, msg["worker_id"], msg["data"])
+            if msg["resume_step"] is not None:
+                args += ["--resume-step", str(msg["resume_step"])]
+            (folder / "config.json").write_text(json.dumps(config.to_dict()))
+            (folder / "hostfile.json").write_text(json.dumps(hostfile))
+            (folder / "progress.json").unlink(missing_ok=True)
+            env = {**os.environ, "MLX_RANK": str(msg["rank"]), "MLX_HOSTFILE": str(folder / "hostfile.json")}
+            with open(folder / "worker.log", "ab") as out:
+                popen = subprocess.Popen([sys.executable, "-m", "mlx_diloco", "worker", *args], cwd=folder,
+                                         stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            self.jobs[msg["job"]] = WorkerProcess(popen, folder, run_dir, msg["rank"])
+            log.info("job %s: started worker %d as rank %d (pid %d)", msg["job"], msg["worker_id"], msg["rank"], popen.pid)
+        return {"pid": popen.pid}
+
+    def _materialize_data(self, folder: Path, worker_id: int, data: dict) -> list:
+        """Link the shipped blobs into the worker's data folder; [] when the config's path is used."""
+        files = data.get("files")
+        if not files:
+            return []
+        _need(isinstance(files, dict) and isinstance(data.get("num_shards"), int), "data needs 'files' and 'num_shards'")
+        target = folder / f"data-{worker_id}"
+        for name, digest in files.items():
+            _need(isinstance(name, str) and _FILE_NAME.fullmatch(name) and ".." not in name, f"bad file name {name!r}")
+            blob = self._blob(digest)
+            _need(blob.exists(), f"blob {digest[:12]} for {name} was not sent")
+            dest = target / name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.unlink(missing_ok=True)
+            os.link(blob, dest)
+        return ["--data-dir", str(target), "--num-shards", str(data["num_shards"])]
+
+    def on_status(self, msg):
+        self._job_dir(msg["job"])
+        worker = self.jobs.get(msg["job"])
+        if worker is None:
+            return {"state": "unknown"}
+        out = worker.state()
+        metrics = worker.run_dir / "metrics.jsonl"
+        lines = metrics.read_text().splitlines()[msg["metrics_from"]:][:1000] if metrics.exists() else []
+        return {**out, "metrics": [line for line in lines if line.strip()]}
+
+    def on_checkpoints(self, msg):
+        """Steps of the complete checkpoints of this machine's workers in the job: {worker_id: [steps]}."""
+        steps = {}
+        for wdir in self._job_dir(msg["job"]).glob("worker-*"):
+            steps[wdir.name.split("-", 1)[1]] = sorted(int(p.stem.split("-")[1]) for p in wdir.glob("ckpt-*.json")
+                                                       if p.with_suffix(".safetensors").exists())
+        return {"steps": steps}
+
+    def on_stop(self, msg):
+        self._job_dir(msg["job"])
+        worker = self.jobs.get(msg["job"])
+        if worker is not None:
+            worker.kill()
+            log.info("job %s: worker stopped", msg["job"])
+        return {}
+
+    def stop_all(self):
+        for worker in self.jobs.values():
+            worker.kill()
+
+
+class _Connection(socketserver.BaseRequestHandler):
+    """Serve one launcher connection until it closes or sends a frame that must be rejected."""
+
+    def handle(self):
+        agent, peer = self.server.agent, self.client_address[0]
+        self.request.settimeout(600)
+        channel = protocol.Channel(self.request, agent.secret, server=True)
+        while True:
+            try:
+                msg = protocol.validate(channel.recv())
+            except (ConnectionError, socket.timeout, OSError):
+                return
+            except protocol.ProtocolError as e:
+                log.warning("rejected frame from %s: %s", peer, e)
+                self._reply(channel, {"type": "error", "error": str(e), "version_mismatch": isinstance(e, protocol.VersionMismatch)})
+                return  # the stream may be out of step: drop the connection, keep serving others
+            try:
+                reply = agent.handle(msg)
+            except Refused as e:
+                log.warning("refused %s from %s: %s", msg["type"], peer, e)
+                reply = {"type": "error", "error": str(e)}
+            except Exception as e:  # a bug must not take the agent down
+                log.exception("error handling %s", msg["type"])
+                reply = {"type": "error", "error": f"{type(e).__name__}: {e}"}
+            if not self._reply(channel, reply):
+                return
+
+    @staticmethod
+    def _reply(channel, reply) -> bool:
+        try:
+            channel.send(reply)
+            return True
+        except (OSError, protocol.ProtocolError):
+            return False
+
+
+class _Server(socketserver.ThreadingTCPServer):
+    allow_reuse_address = True
+    daemon_threads = True
+
+
+def advertise(agent: Agent, port: int, addresses: list):
+    """Register the agent over mDNS; returns the Zeroconf instance (close it to unregister)."""
+    from zeroconf import ServiceInfo, Zeroconf
+    info = hostinfo.describe(agent.id)
+    kinds = sorted({i["kind"] for i in info["interfaces"] if i["kind"] != "loopback"})
+    service = ServiceInfo(
+        SERVICE_TYPE, f"{info['host']}-{agent.id[:8]}.{SERVICE_TYPE}",
+        addresses=[socket.inet_aton(a) for a in addresses], port=port,
+        properties={"id": agent.id, "host": info["host"], "version": info["version"],
+                    "protocol": str(protocol.VERSION), "chip": info["chip"][:80],
+                    "memory": str(info["memory"]), "kinds": ",".join(kinds)},
+        server=f"{info['host']}-{agent.id[:8]}.local.")
+    zc = Zeroconf()
+    zc.register_service(service)
+    return zc
+
+
+def serve(state_dir: Path, secret: bytes, port: int = DEFAULT_PORT, bind: str = "", mdns: bool = True):
+    """Run the agent until SIGINT/SIGTERM."""
+    agent = Agent(state_dir, secret)
+    server = _Server((bind, port), _Connection)
+    server.agent = agent
+    port = server.server_address[1]
+    addresses = [i["address"] for i in hostinfo.interfaces() if i["kind"] != "loopback"] or ["127.0.0.1"]
+    if bind and bind != "0.0.0.0":
+        addresses = [bind]
+    zc = advertise(agent, port, addresses) if mdns else None
+    log.info("agent %s listening on %s:%d (%s)", agent.id[:8], bind or "*", port, ", ".join(addresses))
+    print(f"agent {agent.id[:8]} ready on port {port}", flush=True)
+
+    def shut_down(*_):
+        threading.Thread(target=server.shutdown, daemon=True).start()
+    signal.signal(signal.SIGTERM, shut_down)
+    try:
+        server.serve_forever(poll_interval=0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        agent.stop_all()
+        if zc:
+            zc.unregister_all_services()
+            zc.close()
+        server.server_close()

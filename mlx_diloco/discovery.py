@@ -1,0 +1,117 @@
+"""Finding agents (mDNS browse, or a static host list) and talking to one (`AgentClient`)."""
+
+import socket
+import time
+from dataclasses import dataclass
+
+from . import __version__, protocol
+from .config import ConfigError
+
+
+class AgentError(Exception):
+    """An agent refused a request, or could not be reached."""
+
+
+@dataclass
+class Found:
+    address: str
+    port: int
+    name: str = ""
+    properties: dict = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.address}:{self.port}"
+
+
+def browse(timeout_s: float = 3.0) -> list:
+    """Agents that answer on mDNS within `timeout_s` (first IPv4 address of each)."""
+    from zeroconf import ServiceBrowser, Zeroconf
+    from .agent import SERVICE_TYPE
+    names = set()
+
+    class Listener:
+        def add_service(self, zc, type_, name):
+            names.add(name)
+
+        def update_service(self, zc, type_, name):
+            names.add(name)
+
+        def remove_service(self, zc, type_, name):
+            pass
+
+    zc = Zeroconf()
+    try:
+        ServiceBrowser(zc, SERVICE_TYPE, Listener())
+        time.sleep(timeout_s)
+        found = []
+        for name in sorted(names):
+            info = zc.get_service_info(SERVICE_TYPE, name, timeout=3000)
+            if info is None or not info.parsed_addresses():
+                continue
+            props = {k.decode(): (v.decode() if v is not None else "") for k, v in info.properties.items()}
+            ipv4 = [a for a in info.parsed_addresses() if ":" not in a]
+            found.append(Found((ipv4 or info.parsed_addresses())[0], info.port, name, props))
+        return found
+    finally:
+        zc.close()
+
+
+def parse_hosts(text: str, default_port: int) -> list:
+    """'a,b:5000' (or one per line, from a file) -> [Found]."""
+    out = []
+    for item in text.replace("\n", ",").split(","):
+        item = item.split("#")[0].strip()
+        if not item:
+            continue
+        host, _, port = item.rpartition(":") if item.count(":") == 1 else (item, "", "")
+        try:
+            out.append(Found(host or item, int(port) if port else default_port, item))
+        except ValueError:
+            raise ConfigError(f"bad host '{item}' in the host list; write HOST or HOST:PORT")
+    return out
+
+
+class AgentClient:
+    """One authenticated connection to an agent; `request` sends a message and returns the reply."""
+
+    def __init__(self, found: Found, secret: bytes, timeout_s: float = 10.0):
+        self.found, self.secret, self.timeout_s = found, secret, timeout_s
+        self.channel = None
+
+    def _connect(self):
+        try:
+            sock = socket.create_connection((self.found.address, self.found.port), timeout=self.timeout_s)
+            self.channel = protocol.Channel(sock, self.secret, server=False)
+        except (OSError, protocol.ProtocolError) as e:
+            raise AgentError(f"cannot reach agent at {self.found.endpoint}: {e}")
+
+    def request(self, kind: str, **fields) -> dict:
+        if self.channel is None:
+            self._connect()
+        try:
+            self.channel.send({"type": kind, **fields})
+            reply = self.channel.recv()
+        except (OSError, ConnectionError, protocol.ProtocolError) as e:
+            self.close()
+            raise AgentError(f"agent at {self.found.endpoint} did not answer '{kind}': {e}")
+        if reply.get("type") == "error":
+            if reply.get("version_mismatch"):
+                raise ConfigError(f"agent at {self.found.endpoint}: {reply['error']}")
+            if "bad signature" in reply.get("error", ""):
+                raise ConfigError(f"agent at {self.found.endpoint} rejected our signature: the cluster secret "
+                                  "differs; set the same MLX_DILOCO_SECRET (or --secret-file) everywhere")
+            raise AgentError(f"agent at {self.found.endpoint} refused '{kind}': {reply['error']}")
+        return reply
+
+    def hello(self) -> dict:
+        agent = self.request("hello")["agent"]
+        if agent["version"] != __version__:
+            raise ConfigError(f"agent at {self.found.endpoint} runs mlx-diloco {agent['version']}, this launcher "
+                              f"{__version__}: install the same version on every machine")
+        return agent
+
+    def close(self):
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None

@@ -1,0 +1,137 @@
+"""What a machine tells the cluster about itself: chip, memory, network interfaces and their kind
+(Thunderbolt, Ethernet, Wi-Fi), and on macOS its Thunderbolt links.
+
+On macOS the kinds come from `networksetup -listallhardwareports` (port "Thunderbolt 1" is en2...)
+and the links from `system_profiler SPThunderboltDataType -json` (each port's domain UUID and the
+UUID of the Mac at the other end of the cable). The parsers take the commands' text, so tests run
+them on captured outputs.
+"""
+
+import json
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+
+import ifaddr
+
+from . import __version__
+
+
+def _run(cmd) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+# ---------------------------------------------------------------- macOS parsers
+
+def parse_hardware_ports(text: str) -> dict:
+    """`networksetup -listallhardwareports` -> {device: port name}, e.g. {"en2": "Thunderbolt 1"}."""
+    ports, name = {}, None
+    for line in text.splitlines():
+        if line.startswith("Hardware Port:"):
+            name = line.split(":", 1)[1].strip()
+        elif line.startswith("Device:") and name:
+            ports[line.split(":", 1)[1].strip()] = name
+            name = None
+    return ports
+
+
+def kind_of_port(port_name: str) -> str:
+    if port_name == "Thunderbolt Bridge":
+        return "thunderbolt-bridge"
+    if port_name.startswith("Thunderbolt"):
+        return "thunderbolt"
+    if port_name in ("Wi-Fi", "AirPort"):
+        return "wifi"
+    if "Ethernet" in port_name or port_name.startswith("LAN"):
+        return "ethernet"
+    return "other"
+
+
+def parse_thunderbolt(text: str) -> list:
+    """`system_profiler SPThunderboltDataType -json` -> one entry per Thunderbolt port:
+    {"receptacle": "1", "domain_uuid", "peer_uuid" (None when no Mac is on the cable), "speed"}."""
+    try:
+        buses = json.loads(text).get("SPThunderboltDataType", [])
+    except (json.JSONDecodeError, AttributeError):
+        return []
+    ports = []
+    for bus in buses:
+        tag = bus.get("receptacle_1_tag", {})
+        peers = [item.get("domain_uuid_key") for item in bus.get("_items", []) if item.get("domain_uuid_key")]
+        ports.append({"receptacle": tag.get("receptacle_id_key"), "domain_uuid": bus.get("domain_uuid_key"),
+                      "peer_uuid": peers[0] if peers else None, "speed": tag.get("current_speed_key")})
+    return ports
+
+
+def thunderbolt_links(hardware_ports: dict, tb_ports: list) -> list:
+    """Cabled Thunderbolt ports with their network interface: [{"interface": "en2", "receptacle": "1",
+    "domain_uuid", "peer_uuid", "speed"}]. Port "Thunderbolt N" is receptacle N."""
+    device_of = {name.split()[-1]: dev for dev, name in hardware_ports.items()
+                 if kind_of_port(name) == "thunderbolt"}
+    return [{"interface": device_of.get(p["receptacle"]), **p} for p in tb_ports if p["peer_uuid"]]
+
+
+# ---------------------------------------------------------------- this machine
+
+def _linux_kind(name: str) -> str:
+    if name == "lo":
+        return "loopback"
+    if os.path.exists(f"/sys/class/net/{name}/wireless"):
+        return "wifi"
+    if name.startswith("thunderbolt"):
+        return "thunderbolt"
+    return "ethernet"
+
+
+def interfaces() -> list:
+    """[{"name", "kind", "address", "prefix"}] for every IPv4 address of this machine."""
+    ports = parse_hardware_ports(_run(["networksetup", "-listallhardwareports"])) if sys.platform == "darwin" else {}
+    out = []
+    for adapter in ifaddr.get_adapters():
+        for ip in adapter.ips:
+            if not isinstance(ip.ip, str):
+                continue  # IPv6
+            name = adapter.nice_name
+            kind = ("loopback" if ip.ip.startswith("127.") else kind_of_port(ports[name]) if name in ports
+                    else _linux_kind(name) if sys.platform != "darwin" else "other")
+            out.append({"name": name, "kind": kind, "address": ip.ip, "prefix": ip.network_prefix})
+    return out
+
+
+def chip() -> str:
+    if sys.platform == "darwin":
+        return _run(["sysctl", "-n", "machdep.cpu.brand_string"]).strip() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+def describe(agent_id: str) -> dict:
+    """Everything the agent reports in its hello and (shortened) in its mDNS record."""
+    tb = []
+    if sys.platform == "darwin":
+        tb = thunderbolt_links(parse_hardware_ports(_run(["networksetup", "-listallhardwareports"])),
+                               parse_thunderbolt(_run(["system_profiler", "SPThunderboltDataType", "-json"])))
+    return {"id": agent_id, "host": socket.gethostname(), "version": __version__, "chip": chip(),
+            "memory": memory_bytes(), "platform": sys.platform, "interfaces": interfaces(), "thunderbolt": tb}
+
+
+def valid_name(text: str) -> bool:
+    return bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", text))
