@@ -77,7 +77,7 @@ class WorkerProcess:
 
 
 class Agent:
-    def __init__(self, state_dir: Path, secret: bytes):
+    def __init__(self, state_dir: Path, secret: bytes, name: str = None):
         self.state_dir = Path(state_dir)
         (self.state_dir / "blobs").mkdir(parents=True, exist_ok=True)
         (self.state_dir / "jobs").mkdir(exist_ok=True)
@@ -85,7 +85,7 @@ class Agent:
         if not id_file.exists():
             id_file.write_text(uuid.uuid4().hex)
         self.id = id_file.read_text().strip()
-        self.secret = secret
+        self.secret, self.name = secret, name
         self.jobs = {}
         self.lock = threading.Lock()
 
@@ -95,7 +95,11 @@ class Agent:
         return {"type": "ok", **(handler(msg) or {})}
 
     def on_hello(self, msg):
-        return {"agent": hostinfo.describe(self.id), "protocol": protocol.VERSION}
+        return {"agent": self.describe(), "protocol": protocol.VERSION}
+
+    def describe(self) -> dict:
+        info = hostinfo.describe(self.id)
+        return {**info, "host": self.name or info["host"]}
 
     def on_heartbeat(self, msg):
         return {"time": time.time()}
@@ -271,7 +275,7 @@ class _Server(socketserver.ThreadingTCPServer):
 def advertise(agent: Agent, port: int, addresses: list):
     """Register the agent over mDNS; returns the Zeroconf instance (close it to unregister)."""
     from zeroconf import ServiceInfo, Zeroconf
-    info = hostinfo.describe(agent.id)
+    info = agent.describe()
     kinds = sorted({i["kind"] for i in info["interfaces"] if i["kind"] != "loopback"})
     service = ServiceInfo(
         SERVICE_TYPE, f"{info['host']}-{agent.id[:8]}.{SERVICE_TYPE}",
@@ -285,9 +289,10 @@ def advertise(agent: Agent, port: int, addresses: list):
     return zc
 
 
-def serve(state_dir: Path, secret: bytes, port: int = DEFAULT_PORT, bind: str = "", mdns: bool = True):
+def serve(state_dir: Path, secret: bytes, port: int = DEFAULT_PORT, bind: str = "", mdns: bool = True,
+          name: str = None):
     """Run the agent until SIGINT/SIGTERM."""
-    agent = Agent(state_dir, secret)
+    agent = Agent(state_dir, secret, name)
     server = _Server((bind, port), _Connection)
     server.agent = agent
     port = server.server_address[1]

@@ -105,7 +105,7 @@ def cmd_agent(args):
     from .protocol import load_secret
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     serve(Path(args.state_dir).expanduser(), load_secret(secret_file=args.secret_file), args.port, args.bind,
-          mdns=not args.no_mdns)
+          mdns=not args.no_mdns, name=args.name)
 
 
 def found_agents(args):
@@ -251,6 +251,7 @@ def build_parser():
     s.add_argument("--state-dir", default="~/.mlx-diloco/agent", help="folder for received data, jobs and checkpoints")
     s.add_argument("--secret-file", help="file holding the cluster secret (default: $MLX_DILOCO_SECRET)")
     s.add_argument("--no-mdns", action="store_true", help="do not advertise over mDNS (launch with --hosts)")
+    s.add_argument("--name", help="name shown for this machine (default: its host name)")
     s.set_defaults(func=cmd_agent)
 
     def add_finding(s):

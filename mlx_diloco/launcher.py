@@ -106,12 +106,19 @@ class Launcher:
         run_dir = Path(run_dir)
         if (run_dir / "launch.json").exists():
             raise ConfigError(f"{run_dir} already holds a job; pass --resume to continue it, or another --run-dir")
-        if len(found) < config.workers:
-            raise ConfigError(f"{config.workers} workers wanted but {len(found)} agents found; start more agents "
-                              "(mlx-diloco agent), pass --hosts, or lower --workers")
-        found = found[:config.workers]
-        clients = [AgentClient(f, secret) for f in found]
-        agents = [c.hello() for c in clients]
+        reachable, agents = [], []
+        for f in found:  # mDNS keeps records of dead agents for minutes: skip who does not answer
+            if len(reachable) == config.workers:
+                break
+            try:
+                agents.append(AgentClient(f, secret).hello())
+                reachable.append(f)
+            except (AgentError, ConfigError) as e:  # dead, or another cluster's agent (other secret)
+                log(f"[launch] skipping {f.endpoint}: {e}")
+        if len(reachable) < config.workers:
+            raise ConfigError(f"{config.workers} workers wanted but {len(reachable)} agents answered; start more "
+                              "agents (mlx-diloco agent), pass --hosts, or lower --workers")
+        found = reachable
         order, _, _ = plan_ring(agents, [f.address for f in found])
         members = [Member(found[a].address, found[a].port, worker_id=rank, host=agents[a]["host"])
                    for rank, a in enumerate(order)]

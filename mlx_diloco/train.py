@@ -85,8 +85,8 @@ class Run:
         # Each process checkpoints the workers it hosts; rank 0 (or the simulator) in the run folder.
         self.checkpoint_dir = Path(place.checkpoint_dir or (
             self.run_dir if reporter else self.run_dir / f"worker-{comm.local_workers[0]}"))
-        if resume and config is None:
-            config = saved_config(self.checkpoint_dir)
+        if resume:
+            config = config or saved_config(self.checkpoint_dir)
         elif reporter:
             check_new_run_dir(self.run_dir)
         self.config = config

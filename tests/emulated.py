@@ -1,0 +1,96 @@
+"""An emulated cluster for tests: hosts as Linux network namespaces (cluster/netns-cluster.sh),
+each running a real `mlx-diloco agent`. Needs root; CI runs as root."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "cluster" / "netns-cluster.sh"
+SECRET = "test-cluster-secret-0123456789"
+PORT = 52525
+
+
+def can_build() -> str:
+    """'' if this machine can build namespaces, else why not."""
+    if sys.platform != "linux":
+        return "network namespaces are Linux-only"
+    if os.geteuid() != 0:
+        return "network namespaces need root (CI runs as root)"
+    if not shutil.which("ip"):
+        return "the 'ip' command (iproute2) is missing"
+    return ""
+
+
+class EmulatedCluster:
+    def __init__(self, hosts: int, folder: Path, rate: str = "", delay: str = ""):
+        self.folder, self.n = Path(folder), hosts
+        self.env = {**os.environ, "MLXD_NETNS_PREFIX": "mdt", "MLX_DILOCO_SECRET": SECRET}
+        self.agents = {}
+        self._script("up", str(hosts), rate, delay)
+        for i in range(1, hosts + 1):
+            self.start_agent(i, wait=False)
+        for i in range(1, hosts + 1):
+            self.wait_ready(i)
+
+    def _script(self, *args):
+        subprocess.run(["bash", str(SCRIPT), *args], check=True, env=self.env, capture_output=True, timeout=60)
+
+    def address(self, i: int) -> str:
+        return f"10.77.0.{10 + i}"
+
+    @property
+    def hosts_flag(self) -> str:
+        return ",".join(f"{self.address(i)}:{PORT}" for i in range(1, self.n + 1))
+
+    def start_agent(self, i: int, wait: bool = True):
+        log = open(self.folder / f"agent-host{i}.log", "a")
+        self.agents[i] = subprocess.Popen(
+            ["ip", "netns", "exec", f"mdt{i}", sys.executable, "-m", "mlx_diloco", "agent", "--name", f"host{i}",
+             "--port", str(PORT), "--state-dir", str(self.folder / f"host{i}")],
+            stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        if wait:
+            self.wait_ready(i)
+
+    def wait_ready(self, i: int):
+        deadline = time.time() + 60
+        while "ready on port" not in (self.folder / f"agent-host{i}.log").read_text():
+            assert self.agents[i].poll() is None and time.time() < deadline, \
+                (self.folder / f"agent-host{i}.log").read_text()
+            time.sleep(0.2)
+
+    def kill_host(self, i: int):
+        """The machine drops out: every process in its namespace dies at once."""
+        pids = subprocess.run(["ip", "netns", "pids", f"mdt{i}"], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            os.kill(int(pid), signal.SIGKILL)
+        self.agents[i].wait()
+
+    def job_folder(self, i: int) -> Path:
+        return next((self.folder / f"host{i}" / "jobs").iterdir())
+
+    def progress(self, i: int):
+        try:
+            return json.loads((self.job_folder(i) / "progress.json").read_text())
+        except (OSError, StopIteration, ValueError):
+            return None
+
+    def worker_pid(self, i: int) -> int:
+        from mlx_diloco.discovery import AgentClient, Found
+        client = AgentClient(Found(self.address(i), PORT), SECRET.encode())
+        return client.request("status", job=self.job_folder(i).name, metrics_from=0)["pid"]
+
+    def close(self):
+        for p in self.agents.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in self.agents.values():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self._script("down")
