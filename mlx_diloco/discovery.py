@@ -94,13 +94,13 @@ class AgentClient:
             reply = self.channel.recv()
         except (OSError, ConnectionError, protocol.ProtocolError) as e:
             self.close()
+            if "bad signature" in str(e):  # its reply is signed with a secret we do not hold
+                raise ConfigError(f"agent at {self.found.endpoint} signs with another key: the cluster secret "
+                                  "differs; set the same MLX_DILOCO_SECRET (or --secret-file) everywhere")
             raise AgentError(f"agent at {self.found.endpoint} did not answer '{kind}': {e}")
         if reply.get("type") == "error":
             if reply.get("version_mismatch"):
                 raise ConfigError(f"agent at {self.found.endpoint}: {reply['error']}")
-            if "bad signature" in reply.get("error", ""):
-                raise ConfigError(f"agent at {self.found.endpoint} rejected our signature: the cluster secret "
-                                  "differs; set the same MLX_DILOCO_SECRET (or --secret-file) everywhere")
             raise AgentError(f"agent at {self.found.endpoint} refused '{kind}': {reply['error']}")
         return reply
 

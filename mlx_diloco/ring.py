@@ -10,12 +10,16 @@ the job from its last checkpoint.
 """
 
 import faulthandler
+import json
+import os
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 import mlx.core as mx
 
-from .comm import Communicator
+from .comm import Communicator, SimCommunicator
+from .config import ConfigError
 
 WATCHDOG_EXIT_MARK = "Timeout ("  # how faulthandler's dump starts; the agent looks for it
 
@@ -48,9 +52,15 @@ class RingCommunicator(Communicator):
             return super()._wait(tree)
 
 
-def init_ring(timeout_s: float = 60.0) -> RingCommunicator:
+def init_ring(timeout_s: float = 60.0) -> Communicator:
     """Join the group described by MLX_RANK and MLX_HOSTFILE (under the watchdog: a peer that
     never comes up must not keep this process waiting forever)."""
+    hostfile = os.environ.get("MLX_HOSTFILE", "")
+    if not hostfile or not Path(hostfile).is_file():
+        raise ConfigError(f"MLX_HOSTFILE ({hostfile or 'unset'}) names no file; workers are started by "
+                          "'mlx-diloco launch', or by hand with MLX_RANK and MLX_HOSTFILE set")
+    if len(json.loads(Path(hostfile).read_text())) == 1:  # alone, MLX's ring would wait for a peer forever
+        return SimCommunicator(1)
     with watchdog(max(timeout_s, 30.0)):
         group = mx.distributed.init(backend="ring", strict=True)
     return RingCommunicator(group, timeout_s)

@@ -1,0 +1,188 @@
+"""The control protocol: authenticated frames, and a live agent that rejects 1,000+ bad frames and
+then still runs a valid job."""
+
+import hashlib
+import hmac
+import os
+import random
+import re
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+import msgpack
+import pytest
+
+from conftest import tiny_config
+from mlx_diloco import protocol
+from mlx_diloco.config import ConfigError
+from mlx_diloco.discovery import AgentClient, Found, parse_hosts
+
+SECRET = b"fuzz-secret-0123456789abcdef"
+
+
+def test_channel_round_trip_and_replay_within_a_connection():
+    a, b = socket.socketpair()
+    server = {}
+    import threading
+    t = threading.Thread(target=lambda: server.update(ch=protocol.Channel(a, SECRET, server=True)))
+    t.start()
+    client = protocol.Channel(b, SECRET, server=False)
+    t.join()
+    client.send({"type": "heartbeat"})
+    assert protocol.validate(server["ch"].recv())["type"] == "heartbeat"
+    server["ch"].send({"type": "ok"})
+    assert client.recv()["type"] == "ok"
+    client.sent = 0  # the next frame reuses seq 1: a replay
+    client.send({"type": "heartbeat"})
+    with pytest.raises(protocol.ProtocolError, match="out of order or replayed"):
+        server["ch"].recv()
+
+
+def test_schema_and_version_checks():
+    with pytest.raises(protocol.VersionMismatch, match="same mlx-diloco version"):
+        protocol.validate({"v": 99, "type": "hello"})
+    with pytest.raises(protocol.ProtocolError, match="field 'offset' is a str"):
+        protocol.validate({"v": 1, "type": "put_chunk", "digest": "x", "offset": "0", "size": 1, "data": b""})
+    with pytest.raises(protocol.ProtocolError, match="field 'rank' is a bool"):
+        protocol.validate({"v": 1, "type": "status", "job": "j", "metrics_from": 0} | {"type": "start", "rank": True})
+
+
+def test_missing_secret_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("MLX_DILOCO_SECRET", raising=False)
+    with pytest.raises(ConfigError, match="MLX_DILOCO_SECRET"):
+        protocol.load_secret()
+
+
+def test_host_list_parsing():
+    hosts = parse_hosts("10.0.0.2, mini2.local:6000\n# a comment\n", 52525)
+    assert [(h.address, h.port) for h in hosts] == [("10.0.0.2", 52525), ("mini2.local", 6000)]
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        parse_hosts("a:b", 1)
+
+
+# ---------------------------------------------------------------- a live agent under fire
+
+@pytest.fixture
+def agent(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_diloco", "agent", "--no-mdns", "--bind", "127.0.0.1",
+                             "--port", "0", "--state-dir", str(tmp_path / "agent")],
+                            stdout=subprocess.PIPE, stderr=open(tmp_path / "agent.log", "w"), text=True,
+                            env={**os.environ, "MLX_DILOCO_SECRET": SECRET.decode()})
+    line = proc.stdout.readline()
+    port = int(re.search(r"ready on port (\d+)", line).group(1))
+    yield proc, port, tmp_path / "agent.log"
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def _connect(port):
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    head = b""
+    while len(head) < 4 + protocol.NONCE_BYTES:
+        head += sock.recv(4 + protocol.NONCE_BYTES - len(head))
+    return sock, head[4:]
+
+
+def _frame(msg, secret=SECRET, nonce=b"", direction=protocol.TO_AGENT, raw_payload=None):
+    payload = raw_payload if raw_payload is not None else msgpack.packb(msg, use_bin_type=True)
+    mac = hmac.new(secret, nonce + direction + payload, hashlib.sha256).digest()
+    return struct.pack(">I", len(payload)) + mac + payload
+
+
+def _outcome(sock) -> str:
+    """'ok', 'error: ...' or 'closed'."""
+    try:
+        head = b""
+        while len(head) < 36:
+            part = sock.recv(36 - len(head))
+            if not part:
+                return "closed"
+            head += part
+        size = struct.unpack(">I", head[:4])[0]
+        body = b""
+        while len(body) < size:
+            body += sock.recv(size - len(body))
+        reply = msgpack.unpackb(body)
+        return "ok" if reply["type"] == "ok" else f"error: {reply['error']}"
+    except (ConnectionError, socket.timeout):
+        return "closed"
+    finally:
+        sock.close()
+
+
+def _bad_frames(rng: random.Random, port: int):
+    """Yield (kind, socket after sending one bad frame)."""
+    good = {"v": 1, "seq": 1, "type": "status", "job": "j", "metrics_from": 0}
+    wrong_types = [
+        {**good, "job": 5}, {**good, "metrics_from": "0"}, {**good, "type": "launch_rockets"},
+        {"v": 1, "seq": 1, "type": "start", "job": "j", "rank": 0},
+        {"v": 1, "seq": 1, "type": "put_chunk", "digest": "00", "offset": 0.5, "size": 1, "data": "text"},
+        {**good, "v": 2}, {**good, "seq": 7}, [1, 2, 3], "just a string",
+        {"v": 1, "seq": 1, "type": "start", "job": "../../etc", "rank": 0, "worker_id": 0, "config": {"model": "tiny"},
+         "hostfile": [], "port": 1, "data": {}, "resume_step": None, "collective_timeout": 1.0},
+        {"v": 1, "seq": 1, "type": "start", "job": "j", "rank": 0, "worker_id": 0, "config": {"modle": "tiny"},
+         "hostfile": [["1.2.3.4:5"]], "port": 1, "data": {}, "resume_step": None, "collective_timeout": 1.0},
+        {"v": 1, "seq": 1, "type": "start", "job": "j", "rank": 0, "worker_id": 0, "config": {"workers": 1},
+         "hostfile": [["1.2.3.4:5; rm -rf /"]], "port": 1, "data": {}, "resume_step": None, "collective_timeout": 1.0},
+    ]
+    for i in range(1200):
+        kind = ["random", "truncated", "oversized", "wrong-secret", "replayed", "wrong-types"][i % 6]
+        sock, nonce = _connect(port)
+        if kind == "random":
+            sock.sendall(os.urandom(rng.randint(1, 300)))
+        elif kind == "truncated":
+            frame = _frame(good, nonce=nonce)
+            sock.sendall(frame[:rng.randint(1, len(frame) - 1)])
+            sock.shutdown(socket.SHUT_WR)
+        elif kind == "oversized":
+            sock.sendall(struct.pack(">I", protocol.MAX_FRAME + rng.randint(1, 1 << 30)) + os.urandom(64))
+        elif kind == "wrong-secret":
+            sock.sendall(_frame(good, secret=os.urandom(20), nonce=nonce))
+        elif kind == "replayed":  # a frame signed for another connection
+            other, other_nonce = _connect(port)
+            captured = _frame(good, nonce=other_nonce)
+            other.sendall(captured)
+            assert _outcome(other) == "ok"
+            sock.sendall(captured)
+        else:
+            sock.sendall(_frame(None, nonce=nonce, raw_payload=msgpack.packb(wrong_types[i // 6 % len(wrong_types)])))
+        yield kind, sock
+
+
+def test_agent_rejects_1000_bad_frames_then_runs_a_valid_job(agent, tmp_path):
+    proc, port, log = agent
+    rng = random.Random(0)
+    outcomes = {}
+    for kind, sock in _bad_frames(rng, port):
+        result = _outcome(sock)
+        assert result != "ok", kind
+        outcomes.setdefault(kind, []).append(result)
+    assert sum(len(v) for v in outcomes.values()) >= 1000
+    assert all("bad signature" in r for r in outcomes["wrong-secret"] + outcomes["replayed"])
+    assert all("exceeds" in r for r in outcomes["oversized"])
+    assert all(r.startswith("error") for r in outcomes["wrong-types"])
+    assert proc.poll() is None
+    time.sleep(0.5)
+    assert log.read_text().count("rejected frame") + log.read_text().count("refused") >= 800
+
+    # ...and then it still runs a valid job, to the end.
+    config = tiny_config(workers=1, steps=4, sync_every=2)
+    run_dir = tmp_path / "job"
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in config.to_dict().items() if not isinstance(v, bool)]
+    result = subprocess.run([sys.executable, "-m", "mlx_diloco", "launch", *flags, f"--hosts=127.0.0.1:{port}",
+                             "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "MLX_DILOCO_SECRET": SECRET.decode()})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "final eval loss" in result.stdout
+
+
+def test_wrong_secret_and_version_are_clear_errors(agent):
+    _, port, _ = agent
+    with pytest.raises(ConfigError, match="cluster secret differs"):
+        AgentClient(Found("127.0.0.1", port), b"another-secret-0123456789").request("hello")
+    sock, nonce = _connect(port)
+    sock.sendall(_frame({"v": 99, "seq": 1, "type": "hello"}, nonce=nonce))
+    assert "same mlx-diloco version" in _outcome(sock)
