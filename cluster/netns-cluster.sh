@@ -2,7 +2,7 @@
 # An emulated cluster on one Linux machine (root): K hosts as network namespaces on a bridge.
 #
 #   cluster/netns-cluster.sh up K [RATE] [DELAY]   hosts PREFIX1..PREFIXK at 10.77.0.11, .12, ...
-#                                                  RATE/DELAY shape each host's link (tc netem),
+#                                                  RATE/DELAY shape each host's link (tc),
 #                                                  e.g. "up 2 100mbit 5ms"
 #   cluster/netns-cluster.sh agents SECRET_FILE STATE_ROOT   start an agent in every host (background)
 #   cluster/netns-cluster.sh exec N CMD...         run CMD inside host N
@@ -26,6 +26,18 @@ down() {
   ip link del "$BRIDGE" 2>/dev/null || true
 }
 
+# Shape what a host sends (each hop of the ring crosses one such link): netem for latency (and rate)
+# where the kernel has it; otherwise tbf for the rate alone, and a warning that latency is not emulated.
+shape() {
+  local ns=$1 rate=$2 delay=$3
+  [ -n "$rate$delay" ] || return 0
+  if tc -n "$ns" qdisc add dev eth0 root netem limit 100000 ${delay:+delay $delay} ${rate:+rate $rate} 2>/dev/null; then
+    return 0
+  fi
+  [ -z "$delay" ] || echo "warning: this kernel has no netem qdisc: latency $delay is not emulated" >&2
+  [ -z "$rate" ] || tc -n "$ns" qdisc add dev eth0 root tbf rate "$rate" burst 256kb latency 100ms
+}
+
 up() {
   local k=$1 rate=${2:-} delay=${3:-}
   down
@@ -41,9 +53,7 @@ up() {
     ip -n "$ns" addr add "$SUBNET.$((10 + i))/24" dev eth0
     ip -n "$ns" link set eth0 up multicast on
     ip -n "$ns" route add default via "$SUBNET.1"
-    if [ -n "$rate$delay" ]; then  # shape what this host sends: each hop of the ring crosses one such link
-      tc -n "$ns" qdisc add dev eth0 root netem limit 100000 ${delay:+delay $delay} ${rate:+rate $rate}
-    fi
+    shape "$ns" "$rate" "$delay"
   done
   echo "hosts: $(hosts | tr '\n' ' ')(bridge $BRIDGE at $SUBNET.1)"
 }

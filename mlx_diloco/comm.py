@@ -81,6 +81,7 @@ class Communicator:
 
     def start_all_mean(self, tree, dtype: str = "float32") -> Pending:
         wire = tree_map(lambda x: x.astype(DTYPES[dtype]), tree)
+        mx.eval(wire)  # inputs are ready before the exchange starts: waits then measure only the exchange
         self._record("all_reduce", wire)
         M = self.num_workers
         return Pending(tree_map(lambda x: self._sum_workers(x).astype(mx.float32) / M, wire), self)
@@ -88,6 +89,7 @@ class Communicator:
     def all_gather(self, tree):
         """Every worker's values (for things that cannot be summed, e.g. quantized blocks)."""
         self._record("all_gather", tree)
+        mx.eval(tree)
         return self._wait(tree_map(self._gather_workers, tree))
 
     def broadcast_local(self, tree):

@@ -1,7 +1,7 @@
 """The real-cluster transport: one worker per process, MLX's ring backend between processes.
 
-Collectives run on the CPU stream even on Metal, on inputs evaluated beforehand, so no GPU
-command buffer ever waits on a peer (REFERENCE.md: Metal's watchdog kills buffers that wait).
+Collectives run on the CPU stream even on Metal, on inputs evaluated beforehand (comm.py does
+that), so no GPU command buffer ever waits on a peer (REFERENCE.md: Metal's watchdog kills buffers that wait).
 
 MLX's ring raises ~1 s after a peer dies but waits forever on a peer that stalls, and a group
 cannot be re-formed in a process. So every wait on the ring runs under a watchdog: past the
@@ -40,11 +40,9 @@ class RingCommunicator(Communicator):
         self.group, self.timeout_s = group, timeout_s
 
     def _sum_workers(self, x):
-        mx.eval(x)
         return mx.distributed.all_sum(x[0], group=self.group, stream=mx.cpu)
 
     def _gather_workers(self, x):
-        mx.eval(x)
         return mx.distributed.all_gather(x, group=self.group, stream=mx.cpu)
 
     def _wait(self, tree):

@@ -1,5 +1,5 @@
-"""An emulated cluster for tests: hosts as Linux network namespaces (cluster/netns-cluster.sh),
-each running a real `mlx-diloco agent`. Needs root; CI runs as root."""
+"""An emulated cluster for tests and benches: hosts as Linux network namespaces (netns-cluster.sh,
+next to this file), each running a real `mlx-diloco agent`. Needs root; CI runs as root."""
 
 import json
 import os
@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "cluster" / "netns-cluster.sh"
+SCRIPT = Path(__file__).resolve().parent / "netns-cluster.sh"
 SECRET = "test-cluster-secret-0123456789"
 PORT = 52525
 
@@ -29,6 +29,7 @@ def can_build() -> str:
 class EmulatedCluster:
     def __init__(self, hosts: int, folder: Path, rate: str = "", delay: str = ""):
         self.folder, self.n = Path(folder), hosts
+        self.folder.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, "MLXD_NETNS_PREFIX": "mdt", "MLX_DILOCO_SECRET": SECRET}
         self.agents = {}
         self._script("up", str(hosts), rate, delay)

@@ -1,0 +1,89 @@
+"""Compute utilisation of DiLoCo and DDP on a real (emulated) 2-host cluster, per link, side by side,
+and the measured all-reduce time against the simulator's network model for the same link.
+
+Needs root (Linux network namespaces; see cluster/netns-cluster.sh). Each host's link is shaped
+with tc netem to the rate and latency given. The workers are real `mlx-diloco worker` processes
+started by real agents through `mlx-diloco launch`; the numbers come from rank 0's metrics.
+
+    sudo python bench/cluster_links.py            # ~5 minutes on a 2-core machine
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "cluster"))
+
+from mlx_diloco.blas import ensure_fast_blas  # noqa: E402
+
+# name: (tc rate, tc delay, the same link for the network model). No added latency: this CI kernel
+# has no netem qdisc (the script shapes the rate with tbf); the bridge adds ~0.05 ms.
+LINKS = {"1gbit": ("1gbit", "", "1gbit/0.05ms"), "100mbit": ("100mbit", "", "100mbit/0.05ms")}
+
+
+def run_job(cluster, folder: Path, name: str, flags: list) -> dict:
+    from emulated import SECRET
+    run_dir = folder / name
+    result = subprocess.run([sys.executable, "-m", "mlx_diloco", "launch", f"--hosts={cluster.hosts_flag}",
+                             "--run-dir", str(run_dir), *flags], capture_output=True, text=True,
+                            env={**os.environ, "MLX_DILOCO_SECRET": SECRET}, timeout=1200)
+    if result.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{result.stderr[-3000:]}")
+    return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="small", help="model preset")
+    p.add_argument("--sync-every", type=int, default=100, help="DiLoCo H")
+    p.add_argument("--diloco-steps", type=int, default=300, help="inner steps of the DiLoCo run")
+    p.add_argument("--ddp-steps", type=int, default=60, help="steps of the DDP run")
+    p.add_argument("--links", default="1gbit,100mbit", help=f"links to test, of: {', '.join(LINKS)}")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "cluster_links.txt"), help="where to save the table")
+    args = p.parse_args()
+    ensure_fast_blas([__file__, *sys.argv[1:]])
+    from emulated import EmulatedCluster, can_build
+    from mlx_diloco.network import collective_time, parse_link
+    if why := can_build():
+        raise SystemExit(f"cannot build the emulated cluster: {why}")
+
+    base = [f"--model={args.model}", "--workers=2", "--eval-batches=2", "--warmup=20"]
+    lines = [f"2 hosts, model {args.model}; DiLoCo H={args.sync_every} for {args.diloco_steps} steps, "
+             f"DDP for {args.ddp_steps} steps; FP16 exchange",
+             f"{'link':>9} {'strategy':>8} {'compute/step':>13} {'syncs':>6} {'measured sync':>14} "
+             f"{'modelled sync':>14} {'measured util':>14} {'modelled util':>14}"]
+    print(lines[0])
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.links.split(","):
+            rate, delay, link = LINKS[name]
+            cluster = EmulatedCluster(2, Path(tmp) / name, rate=rate, delay=delay)
+            try:
+                for strategy, steps, extra in (("diloco", args.diloco_steps, [f"--sync-every={args.sync_every}",
+                                                                                f"--eval-every={args.diloco_steps}"]),
+                                               ("ddp", args.ddp_steps, [f"--eval-every={args.ddp_steps}"])):
+                    row = run_job(cluster, Path(tmp) / name, strategy, base + [
+                        f"--strategy={strategy}", f"--steps={steps}", f"--link={link}", *extra])
+                    syncs = steps // args.sync_every if strategy == "diloco" else steps
+                    payload = row["bytes_sent_per_worker"] / syncs  # 2 workers: a ring sends the payload once
+                    modelled = collective_time("all_reduce", payload, 2, parse_link(link))
+                    line = (f"{name:>9} {strategy:>8} {row['compute_s'] / steps * 1e3:>10.1f} ms {syncs:>6} "
+                            f"{row['sync_wait_s'] / syncs * 1e3:>11.1f} ms {modelled * 1e3:>11.1f} ms "
+                            f"{row['measured_utilisation']:>14.1%} {row['utilisation']:>14.1%}")
+                    print(line, flush=True)
+                    lines.append(line)
+            finally:
+                cluster.close()
+    lines.append("measured sync: rank 0's time waiting in all-reduces (includes waiting for the slower peer); "
+                 "modelled: the simulator's ring model for the link")
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[1:]))
+    print(f"saved {args.out}")
+
+
+if __name__ == "__main__":
+    main()
