@@ -30,7 +30,10 @@ class EmulatedCluster:
     def __init__(self, hosts: int, folder: Path, rate: str = "", delay: str = ""):
         self.folder, self.n = Path(folder), hosts
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.env = {**os.environ, "MLXD_NETNS_PREFIX": "mdt", "MLX_DILOCO_SECRET": SECRET}
+        # The hosts share this machine's cores: give each its share of BLAS threads, as on real machines.
+        threads = str(max(1, (os.cpu_count() or 1) // hosts))
+        self.env = {**os.environ, "MLXD_NETNS_PREFIX": "mdt", "MLX_DILOCO_SECRET": SECRET,
+                    "OPENBLAS_NUM_THREADS": threads}
         self.agents = {}
         self._script("up", str(hosts), rate, delay)
         for i in range(1, hosts + 1):

@@ -11,6 +11,7 @@ DiLoCo can overlap an exchange with compute), and accounting of the bytes each w
 """
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -40,10 +41,13 @@ class Pending:
 
     def __init__(self, tree, comm: "Communicator"):
         self._tree, self._comm = tree, comm
-        mx.async_eval(self._tree)
+        with comm._blocked():  # on the CPU stream, starting an exchange can block too
+            mx.async_eval(self._tree)
 
     def result(self):
-        return self._comm._wait(self._tree)
+        with self._comm._blocked():
+            mx.eval(self._tree)
+        return self._tree
 
 
 @dataclass
@@ -62,12 +66,14 @@ class Communicator:
         """(n_local, ...) -> (num_workers, ...): every worker's slice, in worker order."""
         raise NotImplementedError
 
-    def _wait(self, tree):
-        """Evaluate an exchange (a transport may put a watchdog around this)."""
+    @contextmanager
+    def _blocked(self):
+        """Around every wait on an exchange: counts the time (a transport may add a watchdog)."""
         t0 = time.perf_counter()
-        mx.eval(tree)
-        self.wait_s += time.perf_counter() - t0
-        return tree
+        try:
+            yield
+        finally:
+            self.wait_s += time.perf_counter() - t0
 
     # ---- what strategies call
     @property
@@ -90,7 +96,10 @@ class Communicator:
         """Every worker's values (for things that cannot be summed, e.g. quantized blocks)."""
         self._record("all_gather", tree)
         mx.eval(tree)
-        return self._wait(tree_map(self._gather_workers, tree))
+        out = tree_map(self._gather_workers, tree)
+        with self._blocked():
+            mx.eval(out)
+        return out
 
     def broadcast_local(self, tree):
         """Give every local worker the same values: (...) -> (n_local, ...)."""

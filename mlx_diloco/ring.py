@@ -45,9 +45,10 @@ class RingCommunicator(Communicator):
     def _gather_workers(self, x):
         return mx.distributed.all_gather(x, group=self.group, stream=mx.cpu)
 
-    def _wait(self, tree):
-        with watchdog(self.timeout_s):
-            return super()._wait(tree)
+    @contextmanager
+    def _blocked(self):
+        with watchdog(self.timeout_s), super()._blocked():
+            yield
 
 
 def init_ring(timeout_s: float = 60.0) -> Communicator:
