@@ -37,6 +37,35 @@ def run_job(cluster, folder: Path, name: str, flags: list) -> dict:
     return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
 
 
+ALL_REDUCE = """
+import json, os, statistics, sys, time
+import mlx.core as mx
+group = mx.distributed.init(backend="ring", strict=True)
+x = mx.ones((int(sys.argv[1]) // 2,), dtype=mx.float16)
+mx.eval(x, mx.distributed.all_sum(x, stream=mx.cpu))      # connect, warm up
+times = []
+for _ in range(5):
+    mx.eval(mx.distributed.all_sum(mx.zeros((1,)), stream=mx.cpu))  # line the ranks up
+    t = time.perf_counter()
+    mx.eval(mx.distributed.all_sum(x, stream=mx.cpu))
+    times.append(time.perf_counter() - t)
+if group.rank() == 0:
+    print(json.dumps(statistics.median(times)))
+"""
+
+
+def measure_all_reduce(cluster, folder: Path, payload_bytes: int) -> float:
+    """Median time of a ring all-reduce of `payload_bytes` (FP16) between the emulated hosts."""
+    hostfile = folder / "allreduce-hosts.json"
+    hostfile.write_text(json.dumps([[f"{cluster.address(i)}:{9300 + i}"] for i in range(1, cluster.n + 1)]))
+    procs = [subprocess.Popen(["ip", "netns", "exec", f"mdt{i}", sys.executable, "-c", ALL_REDUCE, str(payload_bytes)],
+                              stdout=subprocess.PIPE, text=True,
+                              env={**cluster.env, "MLX_RANK": str(i - 1), "MLX_HOSTFILE": str(hostfile)})
+             for i in range(1, cluster.n + 1)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    return json.loads(outs[0])
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="small", help="model preset")
@@ -55,8 +84,8 @@ def main():
     base = [f"--model={args.model}", "--workers=2", "--eval-batches=2", "--warmup=20"]
     lines = [f"2 hosts, model {args.model}; DiLoCo H={args.sync_every} for {args.diloco_steps} steps, "
              f"DDP for {args.ddp_steps} steps; FP16 exchange",
-             f"{'link':>9} {'strategy':>8} {'compute/step':>13} {'syncs':>6} {'measured sync':>14} "
-             f"{'modelled sync':>14} {'measured util':>14} {'modelled util':>14}"]
+             f"{'link':>9} {'strategy':>8} {'compute/step':>13} {'syncs':>6} {'in sync/sync':>13} "
+             f"{'all-reduce':>11} {'modelled':>9} {'util (measured)':>16} {'util (modelled)':>16}"]
     print(lines[0])
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.links.split(","):
@@ -69,17 +98,21 @@ def main():
                     row = run_job(cluster, Path(tmp) / name, strategy, base + [
                         f"--strategy={strategy}", f"--steps={steps}", f"--link={link}", *extra])
                     syncs = steps // args.sync_every if strategy == "diloco" else steps
-                    payload = row["bytes_sent_per_worker"] / syncs  # 2 workers: a ring sends the payload once
+                    payload = int(row["bytes_sent_per_worker"] / syncs)  # 2 workers: a ring sends the payload once
                     modelled = collective_time("all_reduce", payload, 2, parse_link(link))
+                    if strategy == "diloco":
+                        measured = measure_all_reduce(cluster, Path(tmp) / name, payload)
                     line = (f"{name:>9} {strategy:>8} {row['compute_s'] / steps * 1e3:>10.1f} ms {syncs:>6} "
-                            f"{row['sync_wait_s'] / syncs * 1e3:>11.1f} ms {modelled * 1e3:>11.1f} ms "
-                            f"{row['measured_utilisation']:>14.1%} {row['utilisation']:>14.1%}")
+                            f"{row['sync_wait_s'] / syncs * 1e3:>10.1f} ms {measured * 1e3:>8.1f} ms "
+                            f"{modelled * 1e3:>6.1f} ms {row['measured_utilisation']:>16.1%} {row['utilisation']:>16.1%}")
                     print(line, flush=True)
                     lines.append(line)
             finally:
                 cluster.close()
-    lines.append("measured sync: rank 0's time waiting in all-reduces (includes waiting for the slower peer); "
-                 "modelled: the simulator's ring model for the link")
+    lines += ["in sync/sync: rank 0's time blocked in each exchange while training (includes waiting for the",
+              "  slower peer: the emulated hosts share 2 cores); all-reduce: a standalone ring all-reduce of the",
+              "  same payload between the hosts (median of 5); modelled: the simulator's ring model for the link.",
+              "util (measured): compute / (compute + time in sync); util (modelled): with the modelled exchange."]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines[1:]))
     print(f"saved {args.out}")
