@@ -86,7 +86,7 @@ class EmulatedCluster:
     def worker_pid(self, i: int) -> int:
         from mlx_diloco.discovery import AgentClient, Found
         client = AgentClient(Found(self.address(i), PORT), SECRET.encode())
-        return client.request("status", job=self.job_folder(i).name, metrics_from=0)["pid"]
+        return client.request("status", job=self.job_folder(i).name, metrics_from=0, log_from=1 << 62)["pid"]
 
     def close(self):
         for p in self.agents.values():

@@ -208,7 +208,11 @@ class Agent:
         out = worker.state()
         metrics = worker.run_dir / "metrics.jsonl"
         lines = metrics.read_text().splitlines()[msg["metrics_from"]:][:1000] if metrics.exists() else []
-        return {**out, "metrics": [line for line in lines if line.strip()]}
+        with open(worker.folder / "worker.log", "rb") as f:  # the worker's output, streamed in pieces
+            size = f.seek(0, os.SEEK_END)
+            f.seek(min(max(0, msg["log_from"]), size))
+            log_piece = f.read(64 << 10)
+        return {**out, "metrics": [line for line in lines if line.strip()], "log": log_piece}
 
     def on_checkpoints(self, msg):
         """Steps of the complete checkpoints of this machine's workers in the job: {worker_id: [steps]}."""

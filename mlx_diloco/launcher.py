@@ -99,6 +99,7 @@ class Launcher:
         self.clients = {}
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.events = self.run_dir / "events.jsonl"
+        self.log_offsets = {}   # worker_id -> bytes of its agent-side log copied into RUN/logs
 
     # ------------------------------------------------------------ setup
     @classmethod
@@ -191,7 +192,7 @@ class Launcher:
             files = self.state.data_files.get(str(m.worker_id))
             self.client(m).request(
                 "start", job=self.state.job, rank=rank, worker_id=m.worker_id, config=config, hostfile=hostfile,
-                port=ports[rank], resume_step=resume_step, collective_timeout=float(self.options.collective_timeout),
+                resume_step=resume_step, collective_timeout=float(self.options.collective_timeout),
                 data={"files": files, "num_shards": self.state.num_shards} if files else {})
         self.state.save(self.run_dir)
         self.event("started", workers=len(members), resume_step=resume_step,
@@ -219,7 +220,8 @@ class Launcher:
     def reattach(self):
         """After a launcher restart: adopt the workers if they all still run, else restart them."""
         try:
-            states = [self.client(m).request("status", job=self.state.job, metrics_from=0) for m in self.state.members]
+            states = [self.client(m).request("status", job=self.state.job, metrics_from=0, log_from=1 << 62)
+                      for m in self.state.members]
         except AgentError as e:
             self.recover(f"agent unreachable on re-attach ({e})")
             return
@@ -236,14 +238,21 @@ class Launcher:
                    file=sys.stderr, dynamic_ncols=True)
         last_ok = {m.worker_id: time.time() for m in self.state.members}
         seen = 0  # rank 0's metrics lines mirrored since the (re)start
+        logs = self.run_dir / "logs"
+        logs.mkdir(exist_ok=True)
         try:
             while True:
                 time.sleep(0.5)
                 states = {}
                 for m in self.state.members:
                     try:
-                        states[m.worker_id] = self.client(m).request("status", job=self.state.job,
-                                                               metrics_from=seen if m is self.state.members[0] else 0)
+                        log = logs / f"worker-{m.worker_id}.log"
+                        states[m.worker_id] = s = self.client(m).request(
+                            "status", job=self.state.job, metrics_from=seen if m is self.state.members[0] else 0,
+                            log_from=self.log_offsets.get(m.worker_id, 0))
+                        with open(log, "ab") as f:
+                            f.write(s.get("log", b""))
+                        self.log_offsets[m.worker_id] = self.log_offsets.get(m.worker_id, 0) + len(s.get("log", b""))
                         last_ok[m.worker_id] = time.time()
                     except AgentError as e:
                         if time.time() - last_ok[m.worker_id] > self.options.heartbeat_timeout:

@@ -47,8 +47,8 @@ SCHEMAS = {
     "put_chunk": {"digest": (str,), "offset": (int,), "size": (int,), "data": (bytes,)},
     "prepare": {"job": (str,)},
     "start": {"job": (str,), "rank": (int,), "worker_id": (int,), "config": (dict,), "hostfile": (list,),
-              "port": (int,), "data": (dict,), "resume_step": (int, type(None)), "collective_timeout": (float, int)},
-    "status": {"job": (str,), "metrics_from": (int,)},
+              "data": (dict,), "resume_step": (int, type(None)), "collective_timeout": (float, int)},
+    "status": {"job": (str,), "metrics_from": (int,), "log_from": (int,)},
     "checkpoints": {"job": (str,)},
     "stop": {"job": (str,)},
 }

@@ -115,18 +115,18 @@ def _outcome(sock) -> str:
 
 def _bad_frames(rng: random.Random, port: int):
     """Yield (kind, socket after sending one bad frame)."""
-    good = {"v": 1, "seq": 1, "type": "status", "job": "j", "metrics_from": 0}
+    good = {"v": 1, "seq": 1, "type": "status", "job": "j", "metrics_from": 0, "log_from": 0}
     wrong_types = [
         {**good, "job": 5}, {**good, "metrics_from": "0"}, {**good, "type": "launch_rockets"},
         {"v": 1, "seq": 1, "type": "start", "job": "j", "rank": 0},
         {"v": 1, "seq": 1, "type": "put_chunk", "digest": "00", "offset": 0.5, "size": 1, "data": "text"},
         {**good, "v": 2}, {**good, "seq": 7}, [1, 2, 3], "just a string",
         {"v": 1, "seq": 1, "type": "start", "job": "../../etc", "rank": 0, "worker_id": 0, "config": {"model": "tiny"},
-         "hostfile": [], "port": 1, "data": {}, "resume_step": None, "collective_timeout": 1.0},
+         "hostfile": [], "data": {}, "resume_step": None, "collective_timeout": 1.0},
         {"v": 1, "seq": 1, "type": "start", "job": "j", "rank": 0, "worker_id": 0, "config": {"modle": "tiny"},
-         "hostfile": [["1.2.3.4:5"]], "port": 1, "data": {}, "resume_step": None, "collective_timeout": 1.0},
+         "hostfile": [["1.2.3.4:5"]], "data": {}, "resume_step": None, "collective_timeout": 1.0},
         {"v": 1, "seq": 1, "type": "start", "job": "j", "rank": 0, "worker_id": 0, "config": {"workers": 1},
-         "hostfile": [["1.2.3.4:5; rm -rf /"]], "port": 1, "data": {}, "resume_step": None, "collective_timeout": 1.0},
+         "hostfile": [["1.2.3.4:5; rm -rf /"]], "data": {}, "resume_step": None, "collective_timeout": 1.0},
     ]
     for i in range(1200):
         kind = ["random", "truncated", "oversized", "wrong-secret", "replayed", "wrong-types"][i % 6]
