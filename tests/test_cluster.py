@@ -161,3 +161,18 @@ def test_killed_launcher_resumes_the_job(cluster, tmp_path):
     assert final_loss(run_dir) == pytest.approx(sim_loss, rel=2e-3)
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(0, config.steps + 1, config.sync_every))
+
+
+def test_lost_machine_waited_for_rejoins_the_job(cluster, tmp_path):
+    config, run_dir = long_config(), tmp_path / "run"
+    proc = launch(config, run_dir, f"--hosts={cluster.hosts_flag}", "--heartbeat-timeout=3", "--on-loss=wait")
+    wait_for_step(cluster, 3, 37)
+    cluster.kill_host(3)
+    time.sleep(6)
+    cluster.start_agent(3)  # the machine is back, its disk (shard, checkpoints) intact
+    finish(proc)
+    kinds = [e["event"] for e in events(run_dir)]
+    assert "waiting" in kinds and "shrunk" not in kinds
+    assert [e for e in events(run_dir) if e["event"] == "started"][-1]["workers"] == 3
+    _, sim_loss = sim_global(config, tmp_path)
+    assert final_loss(run_dir) == pytest.approx(sim_loss, rel=2e-3)  # all three shards, as uninterrupted
