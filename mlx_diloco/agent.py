@@ -280,13 +280,14 @@ def advertise(agent: Agent, port: int, addresses: list):
     """Register the agent over mDNS; returns the Zeroconf instance (close it to unregister)."""
     from zeroconf import ServiceInfo, Zeroconf
     info = agent.describe()
-    kinds = sorted({i["kind"] for i in info["interfaces"] if i["kind"] != "loopback"})
+    # A TXT value holds at most 255 bytes: the full list comes with the hello.
+    nets = ",".join(f"{i['name']}={i['kind']}/{i['address']}" for i in info["interfaces"] if i["kind"] != "loopback")
     service = ServiceInfo(
         SERVICE_TYPE, f"{info['host']}-{agent.id[:8]}.{SERVICE_TYPE}",
         addresses=[socket.inet_aton(a) for a in addresses], port=port,
         properties={"id": agent.id, "host": info["host"], "version": info["version"],
                     "protocol": str(protocol.VERSION), "chip": info["chip"][:80],
-                    "memory": str(info["memory"]), "kinds": ",".join(kinds)},
+                    "memory": str(info["memory"]), "interfaces": nets[:255]},
         server=f"{info['host']}-{agent.id[:8]}.local.")
     zc = Zeroconf()
     zc.register_service(service)

@@ -137,7 +137,7 @@ def cmd_discover(args):
             except (AgentError, ConfigError) as e:
                 line += f"  (hello failed: {e})"
         elif f.properties:
-            line += f"  mlx-diloco {f.properties.get('version')}  {f.properties.get('chip')}  {f.properties.get('kinds')}"
+            line += f"  mlx-diloco {f.properties.get('version')}  {f.properties.get('chip')}  [{f.properties.get('interfaces')}]"
         print(line)
 
 

@@ -168,15 +168,15 @@ def test_agent_rejects_1000_bad_frames_then_runs_a_valid_job(agent, tmp_path):
     time.sleep(0.5)
     assert log.read_text().count("rejected frame") + log.read_text().count("refused") >= 800
 
-    # ...and then it still runs a valid job, to the end.
+    # ...and then it still runs a valid job, to the end (reading the corpus there: --data-on-workers).
     config = tiny_config(workers=1, steps=4, sync_every=2)
     run_dir = tmp_path / "job"
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in config.to_dict().items() if not isinstance(v, bool)]
     result = subprocess.run([sys.executable, "-m", "mlx_diloco", "launch", *flags, f"--hosts=127.0.0.1:{port}",
-                             "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=300,
+                             "--data-on-workers", "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "MLX_DILOCO_SECRET": SECRET.decode()})
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "final eval loss" in result.stdout
+    assert "final eval loss" in result.stdout and not (run_dir / "shards").exists()
 
 
 def test_wrong_secret_and_version_are_clear_errors(agent):
