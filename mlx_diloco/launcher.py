@@ -99,7 +99,6 @@ class Launcher:
         self.clients = {}
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.events = self.run_dir / "events.jsonl"
-        self.log_offsets = {}   # worker_id -> bytes of its agent-side log copied into RUN/logs
 
     # ------------------------------------------------------------ setup
     @classmethod
@@ -238,21 +237,13 @@ class Launcher:
                    file=sys.stderr, dynamic_ncols=True)
         last_ok = {m.worker_id: time.time() for m in self.state.members}
         seen = 0  # rank 0's metrics lines mirrored since the (re)start
-        logs = self.run_dir / "logs"
-        logs.mkdir(exist_ok=True)
         try:
             while True:
                 time.sleep(0.5)
                 states = {}
                 for m in self.state.members:
                     try:
-                        log = logs / f"worker-{m.worker_id}.log"
-                        states[m.worker_id] = s = self.client(m).request(
-                            "status", job=self.state.job, metrics_from=seen if m is self.state.members[0] else 0,
-                            log_from=self.log_offsets.get(m.worker_id, 0))
-                        with open(log, "ab") as f:
-                            f.write(s.get("log", b""))
-                        self.log_offsets[m.worker_id] = self.log_offsets.get(m.worker_id, 0) + len(s.get("log", b""))
+                        states[m.worker_id] = self._poll(m, metrics_from=seen if m is self.state.members[0] else 0)
                         last_ok[m.worker_id] = time.time()
                     except AgentError as e:
                         if time.time() - last_ok[m.worker_id] > self.options.heartbeat_timeout:
@@ -279,27 +270,42 @@ class Launcher:
         finally:
             bar.close()
 
+    def _poll(self, m: Member, metrics_from: int) -> dict:
+        """One heartbeat: the worker's state, rank 0's new metrics lines, and the worker's new output,
+        appended to RUN/logs/worker-K.log (whose size says how much has been copied)."""
+        log = self.run_dir / "logs" / f"worker-{m.worker_id}.log"
+        log.parent.mkdir(exist_ok=True)
+        have = log.stat().st_size if log.exists() else 0
+        status = self.client(m).request("status", job=self.state.job, metrics_from=metrics_from, log_from=have)
+        with open(log, "ab") as f:
+            f.write(status.get("log", b""))
+        return status
+
     def _failure(self, states: dict):
-        now = time.time()
+        """What went wrong, if anything. When one worker dies its peers fail right after it (their ring
+        collective raises), so the likely cause is named: a signal death or a stall before a watchdog
+        exit, a watchdog exit before a plain error exit."""
+        now, found = time.time(), []  # (rank of the cause, description)
         for m in self.state.members:
             s = states.get(m.worker_id)
             if s is None:
                 continue
-            if s["state"] == "unknown":
-                return {"lost": [], "why": f"the agent of worker {m.worker_id} ({m.host}) no longer knows the job"}
-            if s["state"] == "exited" and s["returncode"] != 0:
-                why = ("its collective watchdog fired (a peer stalled)" if s.get("watchdog")
-                       else f"it was killed by signal {-s['returncode']}" if s["returncode"] < 0
-                       else f"it exited with code {s['returncode']}: {s['log_tail'].strip().splitlines()[-1:]}")
-                return {"lost": [], "why": f"worker {m.worker_id} ({m.host}) failed: {why}"}
+            who = f"worker {m.worker_id} ({m.host})"
             p = s.get("progress")
-            if s["state"] == "running":
-                if p and p["age_s"] > self.options.collective_timeout:
-                    return {"lost": [], "why": f"worker {m.worker_id} ({m.host}) stalled: no step for {p['age_s']:.0f} s"}
-                if not p and now - self.started_at > self.options.startup_timeout:
-                    return {"lost": [], "why": f"worker {m.worker_id} ({m.host}) did not start training within "
-                            f"{self.options.startup_timeout:.0f} s"}
-        return None
+            if s["state"] == "unknown":
+                found.append((1, f"the agent of {who} no longer knows the job"))
+            elif s["state"] == "exited" and s["returncode"] < 0:
+                found.append((0, f"{who} failed: it was killed by signal {-s['returncode']}"))
+            elif s["state"] == "exited" and s.get("watchdog"):
+                found.append((2, f"{who} failed: its collective watchdog fired (a peer stalled)"))
+            elif s["state"] == "exited" and s["returncode"] != 0:
+                found.append((3, f"{who} failed: it exited with code {s['returncode']}: "
+                                 f"{s['log_tail'].strip().splitlines()[-1:]}"))
+            elif s["state"] == "running" and p and p["age_s"] > self.options.collective_timeout:
+                found.append((1, f"{who} stalled: no step for {p['age_s']:.0f} s"))
+            elif s["state"] == "running" and not p and now - self.started_at > self.options.startup_timeout:
+                found.append((1, f"{who} did not start training within {self.options.startup_timeout:.0f} s"))
+        return {"lost": [], "why": min(found)[1]} if found else None
 
     def _mirror(self, lines: list):
         last = self._last_step()

@@ -100,6 +100,7 @@ def test_three_hosts_found_over_mdns_train_like_sim(cluster, tmp_path):
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 4, 8, 12]
     assert rows[-1]["eval_loss"] == pytest.approx(sim_loss, rel=1e-4)
+    assert "final eval loss" in (run_dir / "logs" / "worker-0.log").read_text()  # logs streamed back
 
 
 # A run long enough to interrupt mid-round: 8 outer rounds of 15 steps.
