@@ -50,13 +50,18 @@ def _need(ok, message):
 class WorkerProcess:
     """One job's worker on this machine."""
 
-    def __init__(self, popen, folder: Path, run_dir: Path, rank: int):
+    def __init__(self, popen, folder: Path, run_dir: Path, rank: int, log_start: int):
         self.popen, self.folder, self.run_dir, self.rank = popen, folder, run_dir, rank
+        self.log_start = log_start  # worker.log holds every attempt of the job: this one starts here
 
     def state(self) -> dict:
         code = self.popen.poll()
-        log_path = self.folder / "worker.log"
-        tail = log_path.read_text(errors="replace")[-3000:] if code is not None and log_path.exists() else ""
+        tail = ""
+        if code is not None:
+            with open(self.folder / "worker.log", "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(self.log_start, size - 3000))
+                tail = f.read().decode(errors="replace")
         progress_file = self.folder / "progress.json"
         try:
             progress = json.loads(progress_file.read_text())
@@ -177,9 +182,10 @@ class Agent:
             (folder / "progress.json").unlink(missing_ok=True)
             env = {**os.environ, "MLX_RANK": str(msg["rank"]), "MLX_HOSTFILE": str(folder / "hostfile.json")}
             with open(folder / "worker.log", "ab") as out:
+                log_start = out.seek(0, os.SEEK_END)
                 popen = subprocess.Popen([sys.executable, "-m", "mlx_diloco", "worker", *args], cwd=folder,
                                          stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            self.jobs[msg["job"]] = WorkerProcess(popen, folder, run_dir, msg["rank"])
+            self.jobs[msg["job"]] = WorkerProcess(popen, folder, run_dir, msg["rank"], log_start)
             log.info("job %s: started worker %d as rank %d (pid %d)", msg["job"], msg["worker_id"], msg["rank"], popen.pid)
         return {"pid": popen.pid}
 

@@ -197,38 +197,34 @@ class Launcher:
         self.event("started", workers=len(members), resume_step=resume_step,
                    ring=" -> ".join(f"{m.host or m.address}({link})" for m, link in zip(members, links)))
         self.started_at = time.time()
+        return False  # not done: now watch it
 
     def run(self, resume: bool = False) -> dict:
         """Start (or re-attach to) the job and see it through to the end."""
         if self.state.finished:
             self.log(f"job {self.state.job} already finished")
             return self.summary()
-        if resume:
-            self.reattach()
-        else:
-            self.start(resume_step=None)
-        while True:
+        done = self.reattach() if resume else self.start(resume_step=None)
+        while not done:
             failure = self.watch()
-            if failure is None:
-                break
-            self.recover(failure)
+            done = failure is None or self.recover(failure)
         self.state.finished = True
         self.state.save(self.run_dir)
         return self.summary()
 
-    def reattach(self):
-        """After a launcher restart: adopt the workers if they all still run, else restart them."""
+    def reattach(self) -> bool:
+        """After a launcher restart: adopt the workers if they all still run, else restart them.
+        True if the job turned out to be finished."""
         try:
             states = [self.client(m).request("status", job=self.state.job, metrics_from=0, log_from=1 << 62)
                       for m in self.state.members]
         except AgentError as e:
-            self.recover(f"agent unreachable on re-attach ({e})")
-            return
+            return self.recover(f"agent unreachable on re-attach ({e})")
         if all(s["state"] == "running" for s in states) or all(s.get("returncode") == 0 for s in states):
             self.event("reattached", workers=len(states))
             self.started_at = time.time()
-        else:
-            self.recover("workers not running on re-attach")
+            return False
+        return self.recover("workers not running on re-attach")
 
     def watch(self):
         """Poll every agent until the job ends (None) or fails (a description of what failed)."""
@@ -296,7 +292,7 @@ class Launcher:
                 found.append((1, f"the agent of {who} no longer knows the job"))
             elif s["state"] == "exited" and s["returncode"] < 0:
                 found.append((0, f"{who} failed: it was killed by signal {-s['returncode']}"))
-            elif s["state"] == "exited" and s.get("watchdog"):
+            elif s["state"] == "exited" and s["returncode"] != 0 and s.get("watchdog"):
                 found.append((2, f"{who} failed: its collective watchdog fired (a peer stalled)"))
             elif s["state"] == "exited" and s["returncode"] != 0:
                 found.append((3, f"{who} failed: it exited with code {s['returncode']}: "
@@ -323,7 +319,8 @@ class Launcher:
         return rows[-1]["step"] if rows else None
 
     def recover(self, failure):
-        """Stop the round everywhere and restart from the newest checkpoint every worker holds."""
+        """Stop the round everywhere and restart from the newest checkpoint every worker holds.
+        True if there is nothing left to restart (the workers had all finished training)."""
         if isinstance(failure, str):
             failure = {"lost": [], "why": failure}
         self.event("failure", why=failure["why"])
@@ -345,8 +342,18 @@ class Launcher:
         elif lost:
             self._wait_for(lost)
         step = self._common_checkpoint()
+        if step == self.state.config["steps"]:  # every worker holds the final checkpoint: nothing to redo
+            self._mirror_all()
+            self.event("finished", step=step)
+            return True
         self.metrics.truncate_after(step if step is not None else -1)
-        self.start(resume_step=step)
+        return self.start(resume_step=step)
+
+    def _mirror_all(self):
+        try:
+            self._mirror(self._poll(self.state.members[0], metrics_from=0).get("metrics", []))
+        except AgentError:
+            pass  # rank 0's machine is gone: its last rows with it
 
     def _wait_for(self, lost: set):
         waiting = [m for m in self.state.members if m.worker_id in lost]
