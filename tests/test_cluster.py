@@ -120,6 +120,7 @@ def test_killed_worker_is_detected_and_the_job_finishes(cluster, tmp_path):
     assert "signal 9" in failure["why"] and failure["time"] - killed_at < 10
     restart = [e for e in events(run_dir) if e["event"] == "started"][-1]
     assert restart["resume_step"] in (30, 45)  # at most the current outer round is lost
+    assert [e["event"] for e in events(run_dir)].count("shipped") == 3  # the agents kept the shards
     _, sim_loss = sim_global(config, tmp_path)
     # Same machines, restarted from a checkpoint: the uninterrupted run's loss, up to float noise
     # (over 120 steps AdamW amplifies the ring's float32 summation order to ~1e-4 in the weights).
@@ -159,15 +160,20 @@ def test_lost_machine_the_job_goes_on_with_the_rest(cluster, tmp_path):
     assert_final_loss(run_dir, sim_loss, rel=0.03)  # two of three shards for the last rounds
 
 
-def test_killed_launcher_resumes_the_job(cluster, tmp_path):
+@pytest.mark.parametrize("worker_dies_too", [False, True])
+def test_killed_launcher_resumes_the_job(cluster, tmp_path, worker_dies_too):
     config, run_dir = long_config(), tmp_path / "run"
     proc = launch(config, run_dir, f"--hosts={cluster.hosts_flag}")
     wait_for_step(cluster, 1, 37)
     proc.kill()
     proc.wait()
+    if worker_dies_too:  # while no launcher watches: the resumed one must restart from the checkpoints
+        os.kill(cluster.worker_pid(2), signal.SIGKILL)
     resumed = subprocess.run([sys.executable, "-m", "mlx_diloco", "launch", "--resume", "--run-dir", str(run_dir)],
                              capture_output=True, text=True, timeout=400, env={**os.environ, "MLX_DILOCO_SECRET": SECRET})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    kinds = [e["event"] for e in events(run_dir)]
+    assert kinds[-1] == ("started" if worker_dies_too else "reattached"), kinds
     _, sim_loss = sim_global(config, tmp_path)
     assert_final_loss(run_dir, sim_loss, rel=2e-3)
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
