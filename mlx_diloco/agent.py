@@ -9,7 +9,6 @@ The only program an agent ever starts is `python -m mlx_diloco worker`, with a j
 has validated itself (TrainConfig, ring addresses, names that cannot leave the state folder).
 """
 
-import hashlib
 import json
 import logging
 import os
@@ -130,11 +129,7 @@ class Agent:
                 f.write(msg["data"])
             if have + len(msg["data"]) < msg["size"]:
                 return {"complete": False}
-            h = hashlib.sha256()
-            with open(partial, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    h.update(block)
-            if h.hexdigest() != msg["digest"]:
+            if protocol.file_digest(partial) != msg["digest"]:
                 partial.unlink()
                 raise Refused("checksum mismatch: the blob was corrupted on the way; send it again")
             partial.replace(final)

@@ -49,16 +49,25 @@ def add_config_flags(parser):
                                 help=f"{HELP[f.name]} (default: {f.default})")
 
 
+def given_flags(args) -> dict:
+    return {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name) is not None}
+
+
+def config_from_flags(args, defaults: dict = None) -> TrainConfig:
+    """--config's keys, then `defaults` where neither names a key, then the flags given."""
+    base = TrainConfig.from_file(args.config).to_dict() if args.config else {}
+    return TrainConfig.from_dict({**(defaults or {}), **base, **given_flags(args)})
+
+
 def config_from_args(args) -> TrainConfig:
-    given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name) is not None}
+    given = given_flags(args)
     if args.resume:
         if given or args.config:
             flags = " ".join("--" + k.replace("_", "-") for k in given) or "--config"
             raise ConfigError(f"--resume continues the run with its saved config; drop {flags}")
         from .train import saved_config
         return saved_config(Path(args.run_dir))
-    base = TrainConfig.from_file(args.config).to_dict() if args.config else {}
-    return TrainConfig.from_dict({**base, **given})
+    return config_from_flags(args)
 
 
 # ------------------------------------------------------------------ commands
@@ -151,11 +160,8 @@ def cmd_launch(args):
         launcher = Launcher(JobState.load(Path(args.run_dir)), Path(args.run_dir), secret,
                             log=lambda m: print(m, file=sys.stderr))
     else:
-        given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name) is not None}
-        base = TrainConfig.from_file(args.config).to_dict() if args.config else {}
         found = found_agents(args)
-        given.setdefault("workers", base.get("workers", len(found)))
-        config = TrainConfig.from_dict({**base, **given})
+        config = config_from_flags(args, defaults={"workers": len(found)})
         run_dir = Path(args.run_dir or f"runs/cluster-{config.strategy}-x{config.workers}-{time.strftime('%Y%m%d-%H%M%S')}")
         options = Options(on_loss=args.on_loss, collective_timeout=args.collective_timeout,
                           heartbeat_timeout=args.heartbeat_timeout, max_restarts=args.max_restarts,

@@ -13,6 +13,7 @@ import hashlib
 import json
 import lzma
 import os
+import shutil
 from importlib import resources
 from pathlib import Path
 
@@ -224,11 +225,7 @@ def write_shard(data: Dataset, worker: int, num_workers: int, folder: Path) -> P
     ids = shard_indices(len(data.train), worker, num_workers)
     np.save(folder / "train.npy", np.ascontiguousarray(data.train.windows(ids)))
     np.save(folder / "val.npy", np.ascontiguousarray(data.val.windows(range(len(data.val)))))
-    tok = folder / "tokenizer"
-    tok.mkdir(exist_ok=True)
-    for f in Path(data.tokenizer_dir).iterdir():
-        if f.is_file():
-            (tok / f.name).write_bytes(f.read_bytes())
+    shutil.copytree(data.tokenizer_dir, folder / "tokenizer", dirs_exist_ok=True)
     (folder / "meta.json").write_text(json.dumps({"worker": worker, "num_workers": num_workers,
                                                   "vocab_size": data.vocab_size}))
     return folder

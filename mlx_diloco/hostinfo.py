@@ -89,9 +89,14 @@ def _linux_kind(name: str) -> str:
     return "ethernet"
 
 
-def interfaces() -> list:
-    """[{"name", "kind", "address", "prefix"}] for every IPv4 address of this machine."""
-    ports = parse_hardware_ports(_run(["networksetup", "-listallhardwareports"])) if sys.platform == "darwin" else {}
+def _hardware_ports() -> dict:
+    return parse_hardware_ports(_run(["networksetup", "-listallhardwareports"])) if sys.platform == "darwin" else {}
+
+
+def interfaces(ports: dict = None) -> list:
+    """[{"name", "kind", "address", "prefix"}] for every IPv4 address of this machine; `ports`:
+    the hardware ports (macOS), when the caller has them already."""
+    ports = _hardware_ports() if ports is None else ports
     out = []
     for adapter in ifaddr.get_adapters():
         for ip in adapter.ips:
@@ -125,12 +130,12 @@ def memory_bytes() -> int:
 
 def describe(agent_id: str) -> dict:
     """Everything the agent reports in its hello and (shortened) in its mDNS record."""
+    ports = _hardware_ports()
     tb = []
     if sys.platform == "darwin":
-        tb = thunderbolt_links(parse_hardware_ports(_run(["networksetup", "-listallhardwareports"])),
-                               parse_thunderbolt(_run(["system_profiler", "SPThunderboltDataType", "-json"])))
+        tb = thunderbolt_links(ports, parse_thunderbolt(_run(["system_profiler", "SPThunderboltDataType", "-json"])))
     return {"id": agent_id, "host": socket.gethostname(), "version": __version__, "chip": chip(),
-            "memory": memory_bytes(), "platform": sys.platform, "interfaces": interfaces(), "thunderbolt": tb}
+            "memory": memory_bytes(), "platform": sys.platform, "interfaces": interfaces(ports), "thunderbolt": tb}
 
 
 def valid_name(text: str) -> bool:

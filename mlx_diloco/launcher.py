@@ -14,7 +14,6 @@ Everything the launcher knows is in RUN/launch.json, so `launch --resume --run-d
 launcher crash re-attaches to the running workers, or restarts them from their checkpoints.
 """
 
-import hashlib
 import json
 import secrets
 import sys
@@ -84,14 +83,6 @@ class JobFailed(Exception):
     pass
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 class Launcher:
     def __init__(self, state: JobState, run_dir: Path, secret: bytes, log=print):
         self.state, self.run_dir, self.secret, self.log = state, Path(run_dir), secret, log
@@ -118,10 +109,8 @@ class Launcher:
         if len(reachable) < config.workers:
             raise ConfigError(f"{config.workers} workers wanted but {len(reachable)} agents answered; start more "
                               "agents (mlx-diloco agent), pass --hosts, or lower --workers")
-        found = reachable
-        order, _, _ = plan_ring(agents, [f.address for f in found])
-        members = [Member(found[a].address, found[a].port, worker_id=rank, host=agents[a]["host"])
-                   for rank, a in enumerate(order)]
+        members = [Member(f.address, f.port, worker_id=w, host=a["host"])
+                   for w, (f, a) in enumerate(zip(reachable, agents))]  # start() orders the ring
         job = f"{run_dir.name[:40]}-{secrets.token_hex(3)}".replace(" ", "_")
         state = JobState(job, config.to_dict(), members, config.workers, asdict(options))
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -153,7 +142,7 @@ class Launcher:
         _, data, _ = load_data_and_model(config, log=self.log)
         for w in range(self.state.num_shards):
             folder = write_shard(data, w, self.state.num_shards, self.run_dir / "shards" / f"worker-{w}")
-            self.state.data_files[str(w)] = {str(p.relative_to(folder)): _sha256(p)
+            self.state.data_files[str(w)] = {str(p.relative_to(folder)): protocol.file_digest(p)
                                              for p in sorted(folder.rglob("*")) if p.is_file()}
 
     def ship(self, m: Member):

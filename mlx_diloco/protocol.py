@@ -71,6 +71,15 @@ def load_secret(secret: str = None, secret_file: str = None) -> bytes:
     return value
 
 
+def file_digest(path) -> str:
+    """SHA-256 of a file, hex: the name a blob is sent and stored under."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def _mac(secret: bytes, nonce: bytes, direction: bytes, payload: bytes) -> bytes:
     return hmac.new(secret, nonce + direction + payload, hashlib.sha256).digest()
 

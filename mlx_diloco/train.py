@@ -79,9 +79,9 @@ class Run:
     """One training run in this process, over the workers `comm` says it hosts."""
 
     def __init__(self, config: TrainConfig, run_dir, comm: Communicator, reporter: bool = True,
-                 resume: bool = False, log=print, place: Placement = Placement()):
+                 resume: bool = False, log=print, place: Placement = None):
         self.run_dir, self.comm, self.reporter, self.log = Path(run_dir), comm, reporter, log
-        self.place = place
+        self.place = place = place or Placement()
         # Each process checkpoints the workers it hosts; rank 0 (or the simulator) in the run folder.
         self.checkpoint_dir = Path(place.checkpoint_dir or (
             self.run_dir if reporter else self.run_dir / f"worker-{comm.local_workers[0]}"))
@@ -163,7 +163,7 @@ class Run:
     def _write_progress(self, losses, tokens_per_s):
         atomic_write_text(self.place.progress_path, json.dumps({
             "step": self.step, "steps": self.config.steps, "loss": float(losses.mean().item()),
-            "tokens_per_s": tokens_per_s, "sync_s": self.comm.wait_s, "time": time.time()}))
+            "tokens_per_s": tokens_per_s, "sync_s": self.comm.wait_s, "time": time.time()}), durable=False)
 
     def _account_exchanges(self):
         for r in self.comm.drain_records():
