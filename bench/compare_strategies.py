@@ -20,6 +20,22 @@ if __name__ == "__main__":
     ensure_fast_blas(sys.argv)  # re-run this script with OpenBLAS preloaded (Linux)
 
 
+def comparison_settings(steps: int, sync_every: int) -> dict:
+    """What every run of the comparison shares (bench/sweep.py varies the rest)."""
+    return dict(model="small", data="shakespeare", steps=steps, sync_every=sync_every,
+                eval_every=sync_every, eval_batches=16)
+
+
+def train(settings: dict, run_dir: Path) -> dict:
+    """One simulated run; returns its summary."""
+    from mlx_diloco.comm import SimCommunicator
+    from mlx_diloco.config import TrainConfig
+    from mlx_diloco.train import Run
+
+    config = TrainConfig.from_dict(settings)
+    return Run(config, run_dir, SimCommunicator(config.workers)).train()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/compare", help="folder for the three runs and the plot")
@@ -28,24 +44,17 @@ def main():
     p.add_argument("--sync-every", type=int, default=50, help="DiLoCo H")
     args = p.parse_args()
 
-    from mlx_diloco.comm import SimCommunicator
-    from mlx_diloco.config import TrainConfig
     from mlx_diloco.plot import plot_runs
-    from mlx_diloco.train import Run
 
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
-    common = dict(model="small", data="shakespeare", steps=args.steps, sync_every=args.sync_every,
-                  eval_every=args.sync_every, eval_batches=16)
+    common = comparison_settings(args.steps, args.sync_every)
     setups = {
         "diloco": dict(strategy="diloco", workers=args.workers),
         "ddp": dict(strategy="ddp", workers=args.workers),
         "single": dict(strategy="ddp", workers=1),
     }
-    results = {}
-    for name, setup in setups.items():
-        config = TrainConfig.from_dict({**common, **setup})
-        results[name] = Run(config, out / name, SimCommunicator(config.workers)).train()
+    results = {name: train({**common, **setup}, out / name) for name, setup in setups.items()}
     png = plot_runs([out / n for n in setups], out / "compare.png",
                     title=f"small GPT on Shakespeare, {args.steps} steps per worker")
     print(f"\n{'run':8} {'workers':>7} {'tokens':>11} {'eval loss':>10} {'sent/worker':>12}")

@@ -60,13 +60,18 @@ def best_step_times(setups: dict, rounds: int) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="small", help="model preset")
-    p.add_argument("--batch-size", type=int, default=8, help="B: sequences per worker per step")
+    p.add_argument("--batch-size", type=int, nargs="+", default=[16, 8],
+                   help="B: sequences per worker per step; one table each (16 is the trainer's default)")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     p.add_argument("--steps", type=int, default=10, help="timed rounds (each setup's best step is kept)")
     p.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8], help="simulated worker counts")
     args = p.parse_args()
+    for B in args.batch_size:
+        print_table(args, B)
 
-    B, T = args.batch_size, args.seq_len
+
+def print_table(args, B):
+    T = args.seq_len
     setups = {(1, B, True): make_setup(args.model, 1, B, True, T)}
     for n in args.workers:
         setups[(1, n * B, True)] = make_setup(args.model, 1, n * B, True, T)
@@ -74,10 +79,11 @@ def main():
             setups[(n, B, vec)] = make_setup(args.model, n, B, vec, T)
     best = best_step_times(setups, args.steps)
 
-    print(f"model {args.model}, B={B}, T={T}; best of {args.steps} interleaved steps each\n")
+    print(f"\nmodel {args.model}, B={B}, T={T}; best of {args.steps} interleaved steps each\n")
     print(f"{'setup':34} {'s/step':>8} {'tokens/s':>10} {'vs 1 worker with N*B':>22}")
     alone = best[(1, B, True)]
     print(f"{'1 worker, batch B':34} {alone:8.3f} {B * T / alone:10,.0f}")
+    worst = 0.0
     for n in args.workers:
         big = best[(1, n * B, True)]
         print(f"{f'1 worker, batch {n}*B':34} {big:8.3f} {n * B * T / big:10,.0f} {'1.000':>22}")
@@ -85,6 +91,11 @@ def main():
             t = best[(n, B, vec)]
             label = f"sim {n} workers, {'vectorized' if vec else 'sequential'}"
             print(f"{label:34} {t:8.3f} {n * B * T / t:10,.0f} {t / big:22.3f}")
+            if vec:
+                worst = max(worst, t / big)
+    print(f"B={B}: vectorized simulation costs at most {(worst - 1) * 100:+.1f}% over one worker with "
+          f"batch N*B (target ~5%: {'met' if worst <= 1.05 else 'NOT met'})")
+
 
 if __name__ == "__main__":
     main()
