@@ -84,9 +84,10 @@ class EmulatedCluster:
             return None
 
     def worker_pid(self, i: int) -> int:
+        from mlx_diloco import protocol
         from mlx_diloco.discovery import AgentClient, Found
         client = AgentClient(Found(self.address(i), PORT), SECRET.encode())
-        return client.request("status", job=self.job_folder(i).name, metrics_from=0, log_from=1 << 62)["pid"]
+        return client.request("status", job=self.job_folder(i).name, metrics_from=0, log_from=protocol.NO_LOG)["pid"]
 
     def close(self):
         for p in self.agents.values():

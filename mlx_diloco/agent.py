@@ -46,21 +46,28 @@ def _need(ok, message):
         raise Refused(message)
 
 
+def read_bytes(path: Path, start: int, limit: int) -> bytes:
+    """Up to `limit` bytes of a file from offset `start` (clamped to the file's size)."""
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(min(max(0, start), size))
+        return f.read(limit)
+
+
 class WorkerProcess:
     """One job's worker on this machine."""
 
     def __init__(self, popen, folder: Path, run_dir: Path, rank: int, log_start: int):
         self.popen, self.folder, self.run_dir, self.rank = popen, folder, run_dir, rank
+        self.log = folder / "worker.log"
         self.log_start = log_start  # worker.log holds every attempt of the job: this one starts here
 
     def state(self) -> dict:
         code = self.popen.poll()
         tail = ""
         if code is not None:
-            with open(self.folder / "worker.log", "rb") as f:
-                size = f.seek(0, os.SEEK_END)
-                f.seek(max(self.log_start, size - 3000))
-                tail = f.read().decode(errors="replace")
+            tail = read_bytes(self.log, max(self.log_start, self.log.stat().st_size - 3000), 3000)
+            tail = tail.decode(errors="replace")
         progress_file = self.folder / "progress.json"
         try:
             progress = json.loads(progress_file.read_text())
@@ -209,10 +216,7 @@ class Agent:
         out = worker.state()
         metrics = worker.run_dir / "metrics.jsonl"
         lines = metrics.read_text().splitlines()[msg["metrics_from"]:][:1000] if metrics.exists() else []
-        with open(worker.folder / "worker.log", "rb") as f:  # the worker's output, streamed in pieces
-            size = f.seek(0, os.SEEK_END)
-            f.seek(min(max(0, msg["log_from"]), size))
-            log_piece = f.read(64 << 10)
+        log_piece = read_bytes(worker.log, msg["log_from"], 64 << 10)  # the worker's output, streamed in pieces
         return {**out, "metrics": [line for line in lines if line.strip()], "log": log_piece}
 
     def on_checkpoints(self, msg):

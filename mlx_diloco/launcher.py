@@ -90,6 +90,7 @@ class Launcher:
         self.clients = {}
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.events = self.run_dir / "events.jsonl"
+        (self.run_dir / "logs").mkdir(exist_ok=True)  # each worker's output, copied as it comes
 
     # ------------------------------------------------------------ setup
     @classmethod
@@ -205,8 +206,8 @@ class Launcher:
         """After a launcher restart: adopt the workers if they all still run, else restart them.
         True if the job turned out to be finished."""
         try:
-            states = [self.client(m).request("status", job=self.state.job, metrics_from=0, log_from=1 << 62)
-                      for m in self.state.members]
+            states = [self.client(m).request("status", job=self.state.job, metrics_from=0,
+                                             log_from=protocol.NO_LOG) for m in self.state.members]
         except AgentError as e:
             return self.recover(f"agent unreachable on re-attach ({e})")
         if all(s["state"] == "running" for s in states) or all(s.get("returncode") == 0 for s in states):
@@ -259,7 +260,6 @@ class Launcher:
         """One heartbeat: the worker's state, rank 0's new metrics lines, and the worker's new output,
         appended to RUN/logs/worker-K.log (whose size says how much has been copied)."""
         log = self.run_dir / "logs" / f"worker-{m.worker_id}.log"
-        log.parent.mkdir(exist_ok=True)
         have = log.stat().st_size if log.exists() else 0
         status = self.client(m).request("status", job=self.state.job, metrics_from=metrics_from, log_from=have)
         with open(log, "ab") as f:

@@ -71,6 +71,9 @@ def load_secret(secret: str = None, secret_file: str = None) -> bytes:
     return value
 
 
+NO_LOG = 1 << 62  # a status request's log_from past any log: no output bytes wanted
+
+
 def file_digest(path) -> str:
     """SHA-256 of a file, hex: the name a blob is sent and stored under."""
     h = hashlib.sha256()
