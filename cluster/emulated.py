@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parent / "netns-cluster.sh"
+from mlx_diloco.protocol import DEFAULT_PORT as PORT
+
 SECRET = "test-cluster-secret-0123456789"
-PORT = 52525
 
 
 def can_build() -> str:

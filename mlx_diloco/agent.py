@@ -29,7 +29,7 @@ from .config import ConfigError, TrainConfig
 from .ring import WATCHDOG_EXIT_MARK
 
 SERVICE_TYPE = "_mlx-diloco._tcp.local."
-DEFAULT_PORT = 52525
+MAX_CONNECTIONS = 32  # a launcher holds one per agent; more are refused at once
 log = logging.getLogger("mlx_diloco.agent")
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -245,7 +245,7 @@ class _Connection(socketserver.BaseRequestHandler):
 
     def handle(self):
         agent, peer = self.server.agent, self.client_address[0]
-        self.request.settimeout(600)
+        self.request.settimeout(600)  # once authenticated; the first frame has protocol.FIRST_FRAME_S
         channel = protocol.Channel(self.request, agent.secret, server=True)
         while True:
             try:
@@ -277,8 +277,26 @@ class _Connection(socketserver.BaseRequestHandler):
 
 
 class _Server(socketserver.ThreadingTCPServer):
+    """One thread per connection, at most MAX_CONNECTIONS at a time (the next ones are closed at once)."""
     allow_reuse_address = True
     daemon_threads = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request, client_address):
+        if not self.slots.acquire(blocking=False):
+            log.warning("refused a connection from %s: %d connections open", client_address[0], MAX_CONNECTIONS)
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
 
 def advertise(agent: Agent, port: int, addresses: list):
@@ -299,7 +317,7 @@ def advertise(agent: Agent, port: int, addresses: list):
     return zc
 
 
-def serve(state_dir: Path, secret: bytes, port: int = DEFAULT_PORT, bind: str = "", mdns: bool = True,
+def serve(state_dir: Path, secret: bytes, port: int = protocol.DEFAULT_PORT, bind: str = "", mdns: bool = True,
           name: str = None):
     """Run the agent until SIGINT/SIGTERM."""
     agent = Agent(state_dir, secret, name)

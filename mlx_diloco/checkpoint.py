@@ -40,25 +40,45 @@ def _step_of(path: Path) -> int:
     return int(path.stem.split("-")[1])
 
 
+def steps(run_dir: Path) -> list:
+    """Steps of the checkpoints on disk whose two files are both present, newest first."""
+    found = [_step_of(p) for p in Path(run_dir).glob("ckpt-*.json") if p.with_suffix(".safetensors").exists()]
+    return sorted(found, reverse=True)
+
+
 def latest_step(run_dir: Path):
-    pointer = Path(run_dir) / "latest.json"
-    if not pointer.exists():
-        return None
-    return json.loads(pointer.read_text())["step"]
-
-
-def load(run_dir: Path, step: int = None):
-    """(arrays tree, meta) of the given or newest checkpoint; a clear ConfigError if unusable."""
-    run_dir = Path(run_dir)
+    """The step latest.json names, or (it is missing or torn) the newest checkpoint on disk."""
     try:
-        step = latest_step(run_dir) if step is None else step
-        if step is None:
-            raise ConfigError(f"no checkpoint in {run_dir}; start without --resume, or pass the run's folder")
-        meta = json.loads((run_dir / f"ckpt-{step}.json").read_text())
-        flat = mx.load(str(run_dir / f"ckpt-{step}.safetensors"))
-    except ConfigError:
-        raise
-    except Exception as e:  # truncated file, bad JSON, bad header...
-        raise ConfigError(f"checkpoint {step} in {run_dir} is unreadable ({type(e).__name__}: {e}); "
-                          "delete it to fall back to an earlier one, or start a new run") from None
+        return json.loads((Path(run_dir) / "latest.json").read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return next(iter(steps(run_dir)), None)
+
+
+def _read(run_dir: Path, step: int):
+    meta = json.loads((run_dir / f"ckpt-{step}.json").read_text())
+    flat = mx.load(str(run_dir / f"ckpt-{step}.safetensors"))
     return tree_unflatten(list(flat.items())), meta
+
+
+def load(run_dir: Path, step: int = None, log=print):
+    """(arrays tree, meta) of the given checkpoint, or else of the newest intact one: a checkpoint
+    that cannot be read (a torn file after a crash, a full disk) is skipped, and `log` says so."""
+    run_dir = Path(run_dir)
+    if step is not None:
+        candidates = [step]
+    else:
+        newest = latest_step(run_dir)
+        candidates = ([newest] if newest is not None else []) + [s for s in steps(run_dir) if s != newest]
+    if not candidates:
+        raise ConfigError(f"no checkpoint in {run_dir}; pass the folder of a run that saved one")
+    errors = []
+    for s in candidates:
+        try:
+            out = _read(run_dir, s)
+        except Exception as e:  # torn file, bad JSON, bad header...
+            errors.append(f"checkpoint {s} is unreadable ({type(e).__name__}: {e})")
+            continue
+        for e in errors:
+            log(f"{e}; using checkpoint {s}")
+        return out
+    raise ConfigError(f"no intact checkpoint in {run_dir}: {'; '.join(errors)}; start a new run")

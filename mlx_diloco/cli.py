@@ -8,12 +8,13 @@ from dataclasses import fields
 from pathlib import Path
 
 from .config import COMM_DTYPES, STRATEGIES, ConfigError, TrainConfig
+from .protocol import DEFAULT_PORT
 
 HELP = {
     "model": "model preset name (see models/), a preset .json file, or an mlx-lm model folder",
     "data": "'shakespeare' (embedded), 'fashion-mnist', a text file, or a folder of .txt files",
     "tokenizer": "HF/mlx-lm tokenizer folder (default: train a byte-level BPE on the corpus)",
-    "seq_len": "tokens per training sequence",
+    "seq_len": "tokens per training sequence (0: the model's context, at most 1024)",
     "batch_size": "sequences per worker per inner step",
     "workers": "number of (simulated) workers",
     "strategy": f"training strategy: {', '.join(STRATEGIES)}",
@@ -79,6 +80,7 @@ def cmd_sim(args):
         raise ConfigError("--resume needs --run-dir naming the run to continue")
     config = config_from_args(args)
     run_dir = Path(args.run_dir or f"runs/{config.strategy}-x{config.workers}-{time.strftime('%Y%m%d-%H%M%S')}")
+    args.on_interrupt = f"continue with: mlx-diloco sim --resume --run-dir {run_dir}"
     run = Run(config, run_dir, SimCommunicator(config.workers), resume=args.resume,
               log=lambda m: print(m, file=sys.stderr))
     print(f"{run.config.strategy} with {run.config.workers} simulated workers, model {run.config.model} "
@@ -119,7 +121,6 @@ def cmd_agent(args):
 
 def found_agents(args):
     """The agents named by --hosts (a list or a file), else those that answer on mDNS."""
-    from .agent import DEFAULT_PORT
     from .discovery import browse, parse_hosts
     if args.hosts:
         text = Path(args.hosts).read_text() if Path(args.hosts).is_file() else args.hosts
@@ -135,6 +136,10 @@ def cmd_discover(args):
     from .discovery import AgentClient, AgentError
     from .protocol import load_secret
     secret = load_secret(secret_file=args.secret_file) if (args.secret_file or os.environ.get("MLX_DILOCO_SECRET")) else None
+    if args.hosts and secret is None:
+        raise ConfigError("listed hosts can only be asked with the cluster secret: set MLX_DILOCO_SECRET or "
+                          "pass --secret-file (without --hosts, discover lists what mDNS advertises)")
+    answered = 0
     for f in found_agents(args):
         line = f"{f.endpoint:24s} {f.properties.get('host', '?') if f.properties else '?'}"
         if secret:
@@ -143,11 +148,16 @@ def cmd_discover(args):
                 nets = ", ".join(f"{i['name']} {i['kind']} {i['address']}" for i in a["interfaces"] if i["kind"] != "loopback")
                 line = (f"{f.endpoint:24s} {a['host']}  mlx-diloco {a['version']}  {a['chip']}  "
                         f"{a['memory'] / 2**30:.0f} GiB  [{nets}]  thunderbolt links: {len(a['thunderbolt'])}")
+                answered += 1
             except (AgentError, ConfigError) as e:
                 line += f"  (hello failed: {e})"
         elif f.properties:
             line += f"  mlx-diloco {f.properties.get('version')}  {f.properties.get('chip')}  [{f.properties.get('interfaces')}]"
+            answered += 1
         print(line)
+    if not answered:
+        raise ConfigError("no agent answered; check that 'mlx-diloco agent' runs there, the address and port, "
+                          "and that every machine has the same cluster secret")
 
 
 def cmd_launch(args):
@@ -167,6 +177,8 @@ def cmd_launch(args):
                           heartbeat_timeout=args.heartbeat_timeout, max_restarts=args.max_restarts,
                           data_on_workers=args.data_on_workers)
         launcher = Launcher.new(config, found, run_dir, secret, options, log=lambda m: print(m, file=sys.stderr))
+    args.on_interrupt = (f"the workers go on; watch them again with: mlx-diloco launch --resume "
+                         f"--run-dir {launcher.run_dir}")
     try:
         s = launcher.run(resume=args.resume)
     except JobFailed as e:
@@ -252,7 +264,7 @@ def build_parser():
     s.set_defaults(func=cmd_worker)
 
     s = sub.add_parser("agent", help="serve this machine to clusters (advertised over mDNS)")
-    s.add_argument("--port", type=int, default=52525, help="TCP port of the control protocol (0: any free port)")
+    s.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port of the control protocol (0: any free port)")
     s.add_argument("--bind", default="", help="address to listen on (default: all)")
     s.add_argument("--state-dir", default="~/.mlx-diloco/agent", help="folder for received data, jobs and checkpoints")
     s.add_argument("--secret-file", help="file holding the cluster secret (default: $MLX_DILOCO_SECRET)")
@@ -333,5 +345,6 @@ def main(argv=None):
         print(f"mlx-diloco: error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
-        print("\ninterrupted; continue with: mlx-diloco sim --resume --run-dir RUN", file=sys.stderr)
+        hint = getattr(args, "on_interrupt", None)
+        print("\ninterrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
         sys.exit(130)

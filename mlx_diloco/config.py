@@ -10,18 +10,40 @@ class ConfigError(ValueError):
     """Bad user input; the CLI prints it as one line and exits non-zero."""
 
 
-def from_dict(cls, params: dict, what: str):
-    """Build dataclass `cls` from `params`, rejecting unknown keys with a did-you-mean hint."""
-    names = [f.name for f in fields(cls)]
+def checked_value(name: str, value, kind):
+    """`value` as field type `kind` (bool, int, float or str), or a ConfigError naming the key.
+    An int is a float too; nothing else is converted ("4" is not 4, 20.5 is not an int)."""
+    flag = name.replace("_", "-")
+    ok = {bool: lambda v: isinstance(v, bool),
+          int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          str: lambda v: isinstance(v, str)}.get(kind)
+    if ok is None:  # a field of another type (a list, a dict): the dataclass checks it
+        return value
+    if not ok(value):
+        example = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}[kind]
+        raise ConfigError(f"{flag} must be {example}, not {json.dumps(value)}; "
+                          f"write e.g. \"{name}\": {json.dumps(kind() if kind is not bool else True)}")
+    return float(value) if kind is float else value
+
+
+def from_dict(cls, params, what: str):
+    """Build dataclass `cls` from `params`, rejecting unknown keys with a did-you-mean hint and
+    values of the wrong type with a line that names the key."""
+    if not isinstance(params, dict):
+        raise ConfigError(f"{what}s must be a JSON object ({{\"key\": value, ...}}), "
+                          f"not a {type(params).__name__}")
+    types = {f.name: f.type for f in fields(cls)}
     for key in params:
-        if key not in names:
-            close = difflib.get_close_matches(key, names, n=1)
-            hint = f"did you mean '{close[0]}'?" if close else f"valid: {', '.join(names)}"
+        if key not in types:
+            close = difflib.get_close_matches(key, list(types), n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"valid: {', '.join(types)}"
             raise ConfigError(f"unknown {what} '{key}'; {hint}")
-    return cls(**params)
+    return cls(**{k: checked_value(k, v, types[k]) for k, v in params.items()})
 
 
 STRATEGIES = ("diloco", "ddp", "fedavg")
+DEFAULT_MAX_SEQ_LEN = 1024  # what seq-len 0 stands for at most (a model folder may allow 32K)
 COMM_DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -31,7 +53,7 @@ class TrainConfig:
     model: str = "small"            # preset name (models/*.json), a preset JSON file, or an mlx-lm model folder
     data: str = "shakespeare"       # 'shakespeare' (embedded), 'fashion-mnist', a text file or a folder of .txt
     tokenizer: str = ""             # '' trains a byte-level BPE on the corpus; or an HF/mlx-lm tokenizer folder
-    seq_len: int = 64
+    seq_len: int = 0                # 0: the model's context length, at most DEFAULT_MAX_SEQ_LEN
     batch_size: int = 16            # sequences per worker per inner step
     # The simulated (or real) cluster
     workers: int = 4
@@ -93,10 +115,16 @@ class TrainConfig:
         need(self.sync_every >= 1, f"sync-every (H) must be >= 1 (got {self.sync_every}); pass --sync-every 1 or more")
         need(self.steps >= 1, f"steps must be >= 1 (got {self.steps})")
         need(self.batch_size >= 1, f"batch-size must be >= 1 (got {self.batch_size})")
-        need(self.seq_len >= 2, f"seq-len must be >= 2 (got {self.seq_len})")
+        need(self.seq_len == 0 or self.seq_len >= 2, f"seq-len must be >= 2, or 0 for the model's context (got {self.seq_len})")
         need(self.lr > 0, f"lr must be > 0 (got {self.lr})")
-        need(self.eval_every >= 0 and self.eval_batches >= 1, "eval-every must be >= 0 and eval-batches >= 1")
+        need(self.warmup >= 0, f"warmup must be >= 0 steps (got {self.warmup})")
+        need(self.weight_decay >= 0, f"weight-decay must be >= 0 (got {self.weight_decay})")
+        for name in ("beta1", "beta2"):
+            need(0 <= getattr(self, name) < 1, f"{name} must be in [0, 1) (got {getattr(self, name)})")
+        need(self.grad_clip >= 0, f"grad-clip must be >= 0, 0 disables it (got {self.grad_clip})")
+        need(self.outer_lr > 0, f"outer-lr must be > 0 (got {self.outer_lr})")
         need(0 <= self.outer_momentum < 1, f"outer-momentum must be in [0, 1) (got {self.outer_momentum})")
+        need(self.eval_every >= 0 and self.eval_batches >= 1, "eval-every must be >= 0 and eval-batches >= 1")
         need(self.strategy in STRATEGIES, f"unknown strategy '{self.strategy}'; choose one of {', '.join(STRATEGIES)}")
         need(self.comm_dtype in COMM_DTYPES, f"unknown comm-dtype '{self.comm_dtype}'; choose one of {', '.join(COMM_DTYPES)}")
         return self

@@ -34,7 +34,7 @@ def cache_root() -> Path:
 
 # ---------------------------------------------------------------- text sources
 
-def load_text(source: str) -> str:
+def load_text(source: str, log=print) -> str:
     """The embedded Shakespeare corpus, a text file, or every .txt file of a folder (sorted)."""
     if source == EMBEDDED:
         with resources.files("mlx_diloco").joinpath("data/shakespeare.txt.xz").open("rb") as f:
@@ -46,9 +46,35 @@ def load_text(source: str) -> str:
     files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
     if not files:
         raise ConfigError(f"data folder {path} holds no .txt files; put your text in .txt files")
-    text = "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+    text = "\n\n".join(decode_text(f.read_bytes(), f, log) for f in files)
     if len(text) < 1000:
         raise ConfigError(f"data {path} holds only {len(text)} characters; give at least a few kB of text")
+    return text
+
+
+def decode_text(raw: bytes, path, log=print) -> str:
+    """UTF-8 text; a file with no valid UTF-8 multi-byte sequence at all is Windows-1252/Latin-1
+    (the usual other encoding of old text files). Binary files are refused."""
+    head = raw[:1 << 16]
+    control = sum(b < 32 and b not in b"\t\n\r\f\v" for b in head)
+    if b"\0" in head or control > len(head) // 100:
+        raise ConfigError(f"data file {path} is not text (it holds NUL or control bytes); "
+                          "pass UTF-8 or Latin-1 text files")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        pass
+    text = raw.decode("utf-8", errors="replace")
+    replaced = text.count("\ufffd") - raw.decode("utf-8", errors="ignore").count("\ufffd")
+    has_utf8 = any(ord(c) > 127 and c != "\ufffd" for c in text)
+    if not has_utf8:
+        log(f"data file {path} is not UTF-8; read it as Windows-1252 (Latin-1)")
+        try:
+            return raw.decode("cp1252")
+        except UnicodeDecodeError:  # one of the five bytes cp1252 leaves undefined: plain Latin-1
+            return raw.decode("latin-1")
+    log(f"warning: data file {path} is UTF-8 with {replaced} invalid byte sequences; "
+        "they were replaced with U+FFFD")
     return text
 
 
@@ -154,14 +180,16 @@ class Dataset:
         self.tokenizer_dir, self.vocab_size, self.is_shard = tokenizer_dir, vocab_size, is_shard
 
     def eval_batches(self, batch_size: int, count: int):
-        """The same `count` validation batches every time (the first examples of the held-out split)."""
-        n = min(count, max(1, len(self.val) // batch_size))
+        """The same `count` validation batches every time (the first examples of the held-out split);
+        smaller batches when the held-out split of a small corpus has fewer than batch-size examples."""
+        batch_size = min(batch_size, len(self.val))
+        n = min(count, len(self.val) // batch_size)
         return [self.val.get(range(i * batch_size, (i + 1) * batch_size)) for i in range(n)]
 
 
 def prepare_text(source: str, seq_len: int, vocab_size: int, tokenizer: str = "", log=print) -> Dataset:
     """Tokenize `source` once (cached by content), and split off the last 5% for validation."""
-    text = load_text(source)
+    text = load_text(source, log)
     spec = f"bpe-{vocab_size}" if not tokenizer else f"tok-{Path(tokenizer).resolve()}"
     key = hashlib.sha256(text.encode() + spec.encode()).hexdigest()[:16]
     folder = cache_root() / "text" / key
@@ -187,8 +215,11 @@ def prepare_text(source: str, seq_len: int, vocab_size: int, tokenizer: str = ""
     meta = json.loads((folder / "meta.json").read_text())
     tokens = np.load(tokens_file, mmap_mode="r")
     n_val = max(int(len(tokens) * VAL_FRACTION), seq_len + 1)
-    if len(tokens) - n_val < 4 * (seq_len + 1):
-        raise ConfigError(f"data {source} has only {len(tokens)} tokens; too few for seq-len {seq_len}")
+    need = n_val + 4 * (seq_len + 1)
+    if len(tokens) < need:
+        chars_per_token = len(text) / max(len(tokens), 1)
+        raise ConfigError(f"data {source} has {len(tokens)} tokens, too few for seq-len {seq_len}: give at least "
+                          f"{need} tokens (about {need * chars_per_token / 1e3:.0f} kB of text) or a smaller --seq-len")
     train = TokenExamples(tokens[:-n_val], seq_len)
     val = TokenExamples(tokens[-n_val:], seq_len)
     return Dataset(train, val, Path(meta["tokenizer"]), meta["vocab_size"])

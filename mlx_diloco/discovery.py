@@ -85,18 +85,26 @@ class AgentClient:
             self.channel = protocol.Channel(sock, self.secret, server=False)
         except (OSError, protocol.ProtocolError) as e:
             raise AgentError(f"cannot reach agent at {self.found.endpoint}: {e}")
+        # A small signed exchange first: the agent takes large frames only once the secret is proven.
+        self._exchange({"type": "heartbeat"})
 
     def request(self, kind: str, **fields) -> dict:
         if self.channel is None:
             self._connect()
+        return self._exchange({"type": kind, **fields})
+
+    def _exchange(self, msg: dict) -> dict:
+        """Send one request and return its reply; refusals and failures as AgentError or ConfigError."""
+        kind = msg["type"]
         try:
-            self.channel.send({"type": kind, **fields})
+            self.channel.send(msg)
             reply = self.channel.recv()
+        except protocol.BadSignature:  # its reply is signed with a secret we do not hold
+            self.close()
+            raise ConfigError(f"agent at {self.found.endpoint} signs with another key: the cluster secret "
+                              "differs; set the same MLX_DILOCO_SECRET (or --secret-file) everywhere")
         except (OSError, ConnectionError, protocol.ProtocolError) as e:
             self.close()
-            if "bad signature" in str(e):  # its reply is signed with a secret we do not hold
-                raise ConfigError(f"agent at {self.found.endpoint} signs with another key: the cluster secret "
-                                  "differs; set the same MLX_DILOCO_SECRET (or --secret-file) everywhere")
             raise AgentError(f"agent at {self.found.endpoint} did not answer '{kind}': {e}")
         if reply.get("type") == "error":
             if reply.get("version_mismatch"):

@@ -5,7 +5,7 @@ import platform
 import sys
 import time
 
-from . import __version__, blas
+from . import __version__, blas, hostinfo
 
 
 def matmul_gflops(n: int = 1024, repeats: int = 3) -> float:
@@ -20,18 +20,11 @@ def matmul_gflops(n: int = 1024, repeats: int = 3) -> float:
     return 2 * n ** 3 / best / 1e9
 
 
-def memory_gb() -> float:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-    except (ValueError, OSError):
-        return float("nan")
-
-
 def report() -> list:
     import mlx.core as mx
     lines = [f"mlx-diloco {__version__}, Python {sys.version.split()[0]}, {platform.platform()}",
              f"mlx {mx.__version__}, default device {mx.default_device()}",
-             f"memory: {memory_gb():.1f} GB, CPU cores: {os.cpu_count()}"]
+             f"memory: {hostinfo.memory_bytes() / 1e9:.1f} GB, CPU cores: {os.cpu_count()}"]
     if mx.metal.is_available():
         info = mx.metal.device_info()
         lines.append(f"Metal GPU: {info.get('device_name', '?')}, "

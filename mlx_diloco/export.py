@@ -28,17 +28,19 @@ def load_trained_model(run_dir):
 
 
 def export_mlx_lm(run_dir, out_dir) -> Path:
-    """Write an mlx-lm model folder (weights, config.json, tokenizer) for Llama-family runs."""
+    """Write an mlx-lm model folder (weights, config.json, tokenizer) for runs of mlx-lm architectures."""
     from mlx_lm.utils import save_config, save_model
-    model, spec, tokenizer = load_trained_model(run_dir)
-    if spec.type not in ("llama", "mlx-lm"):
-        raise ConfigError(f"model type '{spec.type}' has no mlx-lm architecture; export works for "
-                          "llama presets and mlx-lm model folders (use 'generate' for the others)")
     out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"output folder {out} is not empty; export into a new or empty folder")
+    model, spec, tokenizer = load_trained_model(run_dir)
+    if spec.type in ("gpt", "cnn"):
+        raise ConfigError(f"model type '{spec.type}' has no mlx-lm architecture; export works for presets of "
+                          "mlx-lm architectures (llama, qwen3, ...) and model folders (use 'generate' for the others)")
     out.mkdir(parents=True, exist_ok=True)
     save_model(out, model)
     config = {k: v for k, v in spec.params.items() if k != "type"}
-    config.setdefault("model_type", "llama")
+    config.setdefault("model_type", spec.type)
     save_config(config, out / "config.json")
     if tokenizer:
         for f in tokenizer.iterdir():

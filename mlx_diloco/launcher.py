@@ -83,6 +83,21 @@ class JobFailed(Exception):
     pass
 
 
+def cut_shards(config: TrainConfig, num_shards: int, folder: Path, log=print) -> dict:
+    """Tokenize the corpus here once and cut one shard per worker into folder/worker-K, without
+    building the model. Returns {worker: {file name: sha256}}, what the agents are sent."""
+    from .data import write_shard
+    from .modelzoo import load_spec
+    from .train import load_data
+    data = load_data(config, load_spec(config.model), log=log)
+    files = {}
+    for w in range(num_shards):
+        shard = write_shard(data, w, num_shards, folder / f"worker-{w}")
+        files[str(w)] = {str(p.relative_to(shard)): protocol.file_digest(p)
+                         for p in sorted(shard.rglob("*")) if p.is_file()}
+    return files
+
+
 class Launcher:
     def __init__(self, state: JobState, run_dir: Path, secret: bytes, log=print):
         self.state, self.run_dir, self.secret, self.log = state, Path(run_dir), secret, log
@@ -95,7 +110,8 @@ class Launcher:
     # ------------------------------------------------------------ setup
     @classmethod
     def new(cls, config: TrainConfig, found: list, run_dir: Path, secret: bytes, options: Options, log=print):
-        run_dir = Path(run_dir)
+        from .train import resolve_config
+        run_dir, config = Path(run_dir), resolve_config(config)
         if (run_dir / "launch.json").exists():
             raise ConfigError(f"{run_dir} already holds a job; pass --resume to continue it, or another --run-dir")
         reachable, agents = [], []
@@ -137,14 +153,7 @@ class Launcher:
 
     # ------------------------------------------------------------ data
     def write_shards(self, config: TrainConfig):
-        """Tokenize here once and cut one shard per worker; remember each file's digest."""
-        from .data import write_shard
-        from .train import load_data_and_model
-        _, data, _ = load_data_and_model(config, log=self.log)
-        for w in range(self.state.num_shards):
-            folder = write_shard(data, w, self.state.num_shards, self.run_dir / "shards" / f"worker-{w}")
-            self.state.data_files[str(w)] = {str(p.relative_to(folder)): protocol.file_digest(p)
-                                             for p in sorted(folder.rglob("*")) if p.is_file()}
+        self.state.data_files = cut_shards(config, self.state.num_shards, self.run_dir / "shards", self.log)
 
     def ship(self, m: Member):
         """Send the member's shard files the agent does not hold yet, in checksummed chunks."""
@@ -285,7 +294,7 @@ class Launcher:
                 found.append((2, f"{who} failed: its collective watchdog fired (a peer stalled)"))
             elif s["state"] == "exited" and s["returncode"] != 0:
                 found.append((3, f"{who} failed: it exited with code {s['returncode']}: "
-                                 f"{s['log_tail'].strip().splitlines()[-1:]}"))
+                                 f"{(s['log_tail'].strip().splitlines() or ['(no output)'])[-1]}"))
             elif s["state"] == "running" and p and p["age_s"] > self.options.collective_timeout:
                 found.append((1, f"{who} stalled: no step for {p['age_s']:.0f} s"))
             elif s["state"] == "running" and not p and now - self.started_at > self.options.startup_timeout:

@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 from .atomic import atomic_write_text
+from .config import ConfigError
 
 
 class MetricsLog:
@@ -22,10 +23,21 @@ class MetricsLog:
 
     @staticmethod
     def read(path) -> list:
+        """The rows of a metrics.jsonl (or of a run folder's); a ConfigError if it is not one."""
         path = Path(path)
         if path.is_dir():
             path = path / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows = []
+        try:
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if line.strip():
+                    rows.append(json.loads(line))
+                    if not isinstance(rows[-1], dict) or "step" not in rows[-1]:
+                        raise ValueError("no 'step'")
+        except ValueError as e:  # JSON, UTF-8, or a row without a step
+            raise ConfigError(f"{path} is not a metrics file written by mlx-diloco (line {n}: "
+                              f"{type(e).__name__}); pass run folders or their metrics.jsonl") from None
+        return rows
 
 
 def human_bytes(n: float) -> str:

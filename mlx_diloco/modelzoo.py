@@ -1,11 +1,14 @@
 """Model presets and how to build a model from one.
 
 A preset is a JSON file in models/ (installed as mlx_diloco.presets) whose "type" picks the
-architecture: "gpt" (ours, nanoGPT-style), "llama" (mlx-lm's Llama, randomly initialised),
-"cnn" (ours). A folder holding an mlx-lm model (config.json + *.safetensors) is loaded with its
-weights, for fine-tuning.
+architecture: "gpt" (ours, nanoGPT-style), "cnn" (ours), or any mlx-lm `model_type` ("llama",
+"qwen3", ...: that mlx-lm architecture, randomly initialised, the other keys its ModelArgs).
+A folder holding an mlx-lm model (config.json + *.safetensors) is loaded with its weights, for
+fine-tuning.
 """
 
+import difflib
+import inspect
 import json
 from dataclasses import dataclass
 from importlib import resources
@@ -59,12 +62,50 @@ def load_spec(name: str) -> ModelSpec:
         params = json.loads((path / "config.json").read_text())
         return ModelSpec(path.name, {**params, "type": "mlx-lm"}, path=path)
     if path.suffix == ".json" and path.is_file():
-        return ModelSpec(path.stem, json.loads(path.read_text()))
+        return checked_spec(ModelSpec(path.stem, read_preset(path)))
     preset = resources.files("mlx_diloco.presets") / f"{name}.json"
     if not preset.is_file():
         raise ConfigError(f"unknown model preset '{name}'; choose one of {', '.join(preset_names())}, "
                           "or pass a preset .json file or an mlx-lm model folder")
-    return ModelSpec(name, json.loads(preset.read_text()))
+    return checked_spec(ModelSpec(name, read_preset(preset)))
+
+
+def read_preset(path) -> dict:
+    try:
+        params = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"model preset {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(params, dict) or not isinstance(params.get("type"), str):
+        raise ConfigError(f"model preset {path} must be a JSON object with a \"type\" "
+                          "(gpt, cnn, or an mlx-lm model_type such as llama)")
+    return params
+
+
+def checked_spec(spec: ModelSpec) -> ModelSpec:
+    """Unknown architectures and misspelled mlx-lm options are found before any data is read."""
+    if spec.type not in OWN_TYPES:
+        mlx_lm_classes(spec)
+    return spec
+
+
+OWN_TYPES = ("gpt", "cnn", "mlx-lm")  # "mlx-lm": a model folder; any other type names an mlx-lm architecture
+
+
+def mlx_lm_classes(spec: ModelSpec):
+    """(Model, ModelArgs) of the mlx-lm architecture a preset names, its keys checked against ModelArgs."""
+    from mlx_lm.utils import _get_classes
+    try:
+        model_cls, args_cls = _get_classes({"model_type": spec.type})
+    except ValueError:
+        raise ConfigError(f"model preset '{spec.name}' has unknown type '{spec.type}'; use gpt, cnn or an "
+                          "mlx-lm model_type (llama, qwen3, mistral, ...)") from None
+    known = set(inspect.signature(args_cls).parameters)
+    for key in spec.params:
+        if key not in known | {"type"}:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"valid: {', '.join(sorted(known))}"
+            raise ConfigError(f"model preset '{spec.name}': {spec.type} has no option '{key}'; {hint}")
+    return model_cls, args_cls
 
 
 def build_model(spec: ModelSpec, seed: int = 0) -> nn.Module:
@@ -78,14 +119,12 @@ def build_model(spec: ModelSpec, seed: int = 0) -> nn.Module:
     elif spec.type == "cnn":
         from .cnn import CNN, CNNArgs
         model = CNN(CNNArgs.from_dict(params))
-    elif spec.type == "llama":
-        from mlx_lm.models import llama
-        model = llama.Model(llama.ModelArgs.from_dict({**params, "model_type": "llama"}))
     elif spec.type == "mlx-lm":
         from mlx_lm.utils import load_model
         model, _ = load_model(spec.path)
     else:
-        raise ConfigError(f"model preset '{spec.name}' has unknown type '{spec.type}'; use gpt, llama or cnn")
+        model_cls, args_cls = mlx_lm_classes(spec)
+        model = model_cls(args_cls.from_dict({**params, "model_type": spec.type}))
     mx.eval(model.parameters())
     return model
 

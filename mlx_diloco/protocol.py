@@ -19,11 +19,15 @@ import hmac
 import os
 import socket
 import struct
+import time
 
 import msgpack
 
 VERSION = 1
+DEFAULT_PORT = 52525
 MAX_FRAME = 8 << 20          # bytes; data is sent in chunks well below this
+FIRST_FRAME = 64 << 10       # bytes: the limit until a frame has proven the peer holds the secret
+FIRST_FRAME_S = 10.0         # seconds a new connection has to send its first (signed) frame
 CHUNK = 4 << 20
 NONCE_BYTES = 16
 _HEADER = struct.Struct(">I")
@@ -37,6 +41,10 @@ class ProtocolError(Exception):
 
 class VersionMismatch(ProtocolError):
     pass
+
+
+class BadSignature(ProtocolError):
+    """The frame was signed with another secret (or is a replay from another connection)."""
 
 
 # What each request carries (field -> allowed types). Replies are {"type": "ok"|"error", ...}.
@@ -54,7 +62,7 @@ SCHEMAS = {
 }
 
 
-def load_secret(secret: str = None, secret_file: str = None) -> bytes:
+def load_secret(secret_file: str = None) -> bytes:
     """The cluster secret from --secret-file, else $MLX_DILOCO_SECRET; a clear error if neither."""
     from .config import ConfigError
     if secret_file:
@@ -64,7 +72,7 @@ def load_secret(secret: str = None, secret_file: str = None) -> bytes:
             raise ConfigError(f"cannot read secret file {secret_file} ({e.strerror}); "
                               "create it with: mlx-diloco secret > FILE")
     else:
-        value = (secret or os.environ.get("MLX_DILOCO_SECRET", "")).encode()
+        value = os.environ.get("MLX_DILOCO_SECRET", "").encode()
     if len(value) < 16:
         raise ConfigError("no cluster secret (or one under 16 characters): set MLX_DILOCO_SECRET or pass "
                           "--secret-file, the same on every machine; make one with: mlx-diloco secret")
@@ -87,9 +95,15 @@ def _mac(secret: bytes, nonce: bytes, direction: bytes, payload: bytes) -> bytes
     return hmac.new(secret, nonce + direction + payload, hashlib.sha256).digest()
 
 
-def _recv_exact(sock, n: int) -> bytes:
+def _recv_exact(sock, n: int, deadline: float = None) -> bytes:
+    """n bytes; past `deadline` (time.monotonic) raises TimeoutError, however slowly they trickle in."""
     buf = bytearray()
     while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the first frame did not arrive in time")
+            sock.settimeout(left)
         part = sock.recv(n - len(buf))
         if not part:
             raise ConnectionError("peer closed the connection")
@@ -141,15 +155,21 @@ class Channel:
         self.sock.sendall(_HEADER.pack(len(payload)) + mac + payload)
 
     def recv(self) -> dict:
-        """The next frame's payload, authenticated and in order (schema is checked by the caller)."""
-        (size,) = _HEADER.unpack(_recv_exact(self.sock, _HEADER.size))
-        if size > MAX_FRAME:
-            raise ProtocolError(f"frame of {size} bytes exceeds the {MAX_FRAME}-byte limit")
-        mac = _recv_exact(self.sock, _MAC_BYTES)
-        payload = _recv_exact(self.sock, size)
+        """The next frame's payload, authenticated and in order (schema is checked by the caller).
+        Until one frame has been authenticated, frames are small and must come quickly: an
+        unauthenticated peer can make the other side hold at most FIRST_FRAME bytes for FIRST_FRAME_S."""
+        first = self.received == 0
+        if first:
+            timeout = self.sock.gettimeout()
+            try:
+                mac, payload = self._read_frame(FIRST_FRAME, time.monotonic() + FIRST_FRAME_S)
+            finally:
+                self.sock.settimeout(timeout)
+        else:
+            mac, payload = self._read_frame(MAX_FRAME, None)
         if not hmac.compare_digest(mac, _mac(self.secret, self.nonce, self.recv_dir, payload)):
-            raise ProtocolError("bad signature: wrong cluster secret, a replay from another connection, "
-                                "or a corrupted frame")
+            raise BadSignature("bad signature: wrong cluster secret, a replay from another connection, "
+                               "or a corrupted frame")
         try:
             msg = msgpack.unpackb(payload, raw=False, strict_map_key=True)
         except Exception as e:  # signed but undecodable: a buggy peer
@@ -159,6 +179,13 @@ class Channel:
             raise ProtocolError(f"frame out of order or replayed (seq {seq!r}, expected {self.received + 1})")
         self.received += 1
         return msg
+
+    def _read_frame(self, limit: int, deadline):
+        (size,) = _HEADER.unpack(_recv_exact(self.sock, _HEADER.size, deadline))
+        if size > limit:
+            raise ProtocolError(f"frame of {size} bytes exceeds the {limit}-byte limit" +
+                                (" for a connection's first frame" if limit == FIRST_FRAME else ""))
+        return _recv_exact(self.sock, _MAC_BYTES, deadline), _recv_exact(self.sock, size, deadline)
 
     def close(self):
         try:

@@ -74,7 +74,8 @@ class DiLoCo(Strategy):
         self.outer.init(self.global_model)
 
     def is_sync_step(self, step):
-        return step % self.config.sync_every == 0
+        """Every H steps, and at the last step: a run always ends on a synced global model."""
+        return step % self.config.sync_every == 0 or step == self.config.steps
 
     def after_step(self, params, step):
         if not self.is_sync_step(step):

@@ -9,7 +9,7 @@ import json
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -18,9 +18,9 @@ from tqdm import tqdm
 
 from . import checkpoint
 from .comm import Communicator
-from .config import ConfigError, TrainConfig
+from .config import DEFAULT_MAX_SEQ_LEN, ConfigError, TrainConfig
 from .atomic import atomic_write_text
-from .data import FASHION_MNIST, ShardSampler, load_shard, prepare
+from .data import EMBEDDED, FASHION_MNIST, ShardSampler, load_shard, prepare
 from .metrics import MetricsLog, human_bytes
 from .modelzoo import build_model, count_parameters, load_spec
 from .network import collective_time, parse_link
@@ -32,7 +32,7 @@ def saved_config(run_dir: Path) -> TrainConfig:
     """The config of the run in `run_dir`, as its newest checkpoint recorded it."""
     if checkpoint.latest_step(run_dir) is None:
         raise ConfigError(f"nothing to resume in {run_dir}: no checkpoint; drop --resume to start a new run")
-    _, meta = checkpoint.load(run_dir)
+    _, meta = checkpoint.load(run_dir, log=lambda m: None)  # Run._restore says which one it uses
     return TrainConfig.from_dict(meta["config"])
 
 
@@ -43,15 +43,29 @@ def check_new_run_dir(run_dir: Path):
                           "or choose another --run-dir")
 
 
-def load_data_and_model(config: TrainConfig, log=print, shard_dir=None):
-    """The model and the data: the corpus named in the config, or a shard shipped to this worker."""
+def resolve_config(config: TrainConfig) -> TrainConfig:
+    """The config as the run will use and record it: local paths made absolute (so the run folder
+    works from any directory), seq-len 0 replaced by the model's context; checked against the model."""
+    def absolute(path: str, names=()):
+        return str(Path(path).resolve()) if path and path not in names and Path(path).exists() else path
+    config = replace(config, model=absolute(config.model) if Path(config.model).is_dir() or
+                     config.model.endswith(".json") else config.model,
+                     data=absolute(config.data, names=(EMBEDDED, FASHION_MNIST)),
+                     tokenizer=absolute(config.tokenizer))
     spec = load_spec(config.model)
     if spec.is_language_model != (config.data != FASHION_MNIST):
         raise ConfigError(f"model '{config.model}' does not fit data '{config.data}': "
                           "the cnn preset trains on fashion-mnist, language models on text")
+    if config.seq_len == 0:
+        config = replace(config, seq_len=min(spec.context_length, DEFAULT_MAX_SEQ_LEN))
     if spec.is_language_model and config.seq_len > spec.context_length:
         raise ConfigError(f"seq-len {config.seq_len} exceeds model '{config.model}' context "
                           f"{spec.context_length}; pass --seq-len {spec.context_length} or less")
+    return config
+
+
+def load_data(config: TrainConfig, spec, log=print, shard_dir=None):
+    """The corpus named in the config (tokenized, cached), or a shard shipped to this worker."""
     tokenizer = config.tokenizer or (str(spec.path) if spec.path else "")
     if shard_dir:
         data = load_shard(shard_dir)
@@ -60,8 +74,7 @@ def load_data_and_model(config: TrainConfig, log=print, shard_dir=None):
     if data.vocab_size and spec.vocab_size and data.vocab_size > spec.vocab_size:
         raise ConfigError(f"tokenizer has {data.vocab_size} tokens but model '{config.model}' only "
                           f"{spec.vocab_size}; use a model preset with a larger vocab_size")
-    model = build_model(spec, seed=config.seed)
-    return spec, data, model
+    return data
 
 
 @dataclass
@@ -89,10 +102,12 @@ class Run:
             config = config or saved_config(self.checkpoint_dir)
         elif reporter:
             check_new_run_dir(self.run_dir)
-        self.config = config
+        self.config = config = resolve_config(config)
         if comm.num_workers != config.workers:
             raise ConfigError(f"the job has {comm.num_workers} workers but the config says {config.workers}")
-        self.spec, self.data, model = load_data_and_model(config, log=log, shard_dir=place.shard_dir)
+        self.spec = load_spec(config.model)
+        self.data = load_data(config, self.spec, log=log, shard_dir=place.shard_dir)
+        model = build_model(self.spec, seed=config.seed)
         self.link = parse_link(config.link)
         self.strategy = make_strategy(comm, config)
         self.strategy.setup(model.trainable_parameters())
@@ -181,7 +196,7 @@ class Run:
         global_loss = self.workers.eval_params(self.global_params(), self.eval_batches)
         modelled = self.compute_s + self.comm_s
         row = {
-            "step": self.step, "outer_step": self.step // c.sync_every if c.strategy != "ddp" else None,
+            "step": self.step, "outer_step": -(-self.step // c.sync_every) if c.strategy != "ddp" else None,
             "tokens": self.step * c.batch_size * c.seq_len * c.workers,
             "eval_loss": global_loss, "eval_loss_workers": worker_losses,
             "train_loss": None if train_losses is None else float(train_losses.mean().item()),
@@ -219,7 +234,7 @@ class Run:
         checkpoint.save(self.checkpoint_dir, self.step, arrays, meta)
 
     def _restore(self):
-        arrays, meta = checkpoint.load(self.checkpoint_dir, self.place.resume_step)
+        arrays, meta = checkpoint.load(self.checkpoint_dir, self.place.resume_step, log=self.log)
         self.step = meta["step"]
         self.workers.params = arrays["workers"]["params"]
         self.workers.optimizer.state = arrays["workers"]["inner"]

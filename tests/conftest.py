@@ -23,8 +23,8 @@ def tiny_config(**overrides):
     return TrainConfig.from_dict(params)
 
 
-def run_cli(*args, timeout=300):
+def run_cli(*args, timeout=300, cwd=None, env=None):
     """Run the real `mlx-diloco` command line in a fresh process."""
     import subprocess
     return subprocess.run([sys.executable, "-m", "mlx_diloco", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ})
+                          text=True, timeout=timeout, cwd=cwd, env={**os.environ, **(env or {})})

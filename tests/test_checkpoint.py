@@ -36,12 +36,12 @@ def test_resume_matches_uninterrupted(tmp_path, strategy):
     assert [r["step"] for r in rows] == [0, 4, 8, 12]  # rows of the lost work were dropped
 
 
-def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
+def test_no_intact_checkpoint_is_a_clear_error(tmp_path):
     config = tiny_config(steps=4)
     Run(config, tmp_path / "r", SimCommunicator(2), log=lambda m: None).train()
     ckpt = tmp_path / "r" / "ckpt-4.safetensors"
     ckpt.write_bytes(ckpt.read_bytes()[:100])
-    with pytest.raises(ConfigError, match="unreadable"):
+    with pytest.raises(ConfigError, match="no intact checkpoint .* checkpoint 4 is unreadable"):
         Run(config, tmp_path / "r", SimCommunicator(2), resume=True, log=lambda m: None)
 
 

@@ -186,3 +186,43 @@ def test_wrong_secret_and_version_are_clear_errors(agent):
     sock, nonce = _connect(port)
     sock.sendall(_frame({"v": 99, "seq": 1, "type": "hello"}, nonce=nonce))
     assert "same mlx-diloco version" in _outcome(sock)
+
+
+def _agent_usage(pid) -> tuple:
+    """(resident memory in MB, threads) of a process, from /proc."""
+    status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
+    return int(status["VmRSS"].split()[0]) / 1024, int(status["Threads"])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_unauthenticated_peers_cannot_hold_memory_or_threads(agent):
+    proc, port, _ = agent
+    rss0, threads0 = _agent_usage(proc.pid)
+    # Ten unsigned 8 MB frames: refused at their header, before any payload is read.
+    for _ in range(10):
+        sock, _nonce = _connect(port)
+        try:
+            sock.sendall(struct.pack(">I", protocol.MAX_FRAME - 64) + b"\0" * 32 + os.urandom(protocol.MAX_FRAME - 64))
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        assert _outcome(sock) != "ok"
+    # 200 idle connections: at most MAX_CONNECTIONS get a thread; each is dropped after FIRST_FRAME_S.
+    from mlx_diloco.agent import MAX_CONNECTIONS
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(200)]
+    time.sleep(1)
+    rss1, threads1 = _agent_usage(proc.pid)
+    assert threads1 <= threads0 + MAX_CONNECTIONS, (threads0, threads1)
+    assert rss1 < rss0 + 40, (rss0, rss1)
+    t0 = time.time()
+    for sock in idle:  # every one is closed by the agent: refused at once, or when its first frame is late
+        sock.settimeout(protocol.FIRST_FRAME_S + 10)
+        try:
+            while sock.recv(4096):
+                pass
+        except ConnectionResetError:
+            pass
+        sock.close()
+    assert time.time() - t0 < protocol.FIRST_FRAME_S + 5
+    time.sleep(0.5)
+    assert _agent_usage(proc.pid)[1] <= threads0 + 1
+    assert AgentClient(Found("127.0.0.1", port), SECRET).request("heartbeat")["type"] == "ok"

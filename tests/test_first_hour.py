@@ -1,0 +1,244 @@
+"""What a new user hits first (issue 8): each test failed before its fix. The numbers in the
+comments are the issue's items."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from conftest import run_cli, tiny_config
+from mlx_diloco import checkpoint
+from mlx_diloco.comm import SimCommunicator
+from mlx_diloco.config import ConfigError, TrainConfig
+from mlx_diloco.data import load_text
+from mlx_diloco.train import Run
+
+QUIET = dict(log=lambda m: None)
+TINY = ["--model", "tiny", "--batch-size", "4", "--workers", "2", "--eval-batches", "2", "--sample-tokens", "0"]
+
+
+def rows_of(run_dir):
+    return [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+# 1. every run ends with a final sync and a final checkpoint
+@pytest.mark.parametrize("strategy", ["diloco", "fedavg"])
+def test_run_ends_synced_when_h_does_not_divide_steps(tmp_path, strategy):
+    run = Run(tiny_config(strategy=strategy, steps=10, sync_every=4), tmp_path / "r", SimCommunicator(2), **QUIET)
+    run.train()
+    assert checkpoint.latest_step(tmp_path / "r") == 10
+    final = dict(tree_flatten(run.global_params()))
+    for name, local in tree_flatten(run.workers.params):  # every replica holds the final global model
+        for w in range(2):
+            np.testing.assert_array_equal(np.array(local[w]), np.array(final[name]), err_msg=name)
+    rows = rows_of(tmp_path / "r")
+    assert [r["step"] for r in rows] == [0, 4, 8, 10] and rows[-1]["eval_loss"] != rows[-2]["eval_loss"]
+
+
+def test_run_shorter_than_h_trains_and_checkpoints(tmp_path):
+    run = Run(tiny_config(steps=6, sync_every=50), tmp_path / "r", SimCommunicator(2), **QUIET)
+    summary = run.train()
+    rows = rows_of(tmp_path / "r")
+    assert summary["final_eval_loss"] < rows[0]["eval_loss"] and checkpoint.latest_step(tmp_path / "r") == 6
+
+
+# 2. config values are type- and range-checked, with one line naming the key
+@pytest.mark.parametrize("params, message", [
+    ({"workers": "4"}, "workers must be a whole number, not \"4\""),
+    ({"lr": "0.001"}, "lr must be a number, not \"0.001\""),
+    ({"vectorize": "false"}, "vectorize must be true or false"),
+    ({"steps": 20.5}, "steps must be a whole number, not 20.5"),
+    ({"beta2": 1.5}, "beta2 must be in [0, 1)"),
+    ({"outer_lr": 0}, "outer-lr must be > 0"),
+    ({"grad_clip": -1}, "grad-clip must be >= 0"),
+    ({"warmup": -5}, "warmup must be >= 0"),
+    (["workers", 4], "config keys must be a JSON object"),
+])
+def test_config_values_are_checked(tmp_path, params, message):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(params))
+    with pytest.raises(ConfigError) as e:
+        TrainConfig.from_file(path)
+    assert message in str(e.value)
+
+
+def test_config_type_error_is_one_line_even_with_an_overriding_flag(tmp_path):
+    (tmp_path / "c.json").write_text(json.dumps({"workers": "4"}))
+    out = run_cli("sim", "--config", tmp_path / "c.json", "--workers", "2")
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert "workers must be a whole number" in out.stderr
+    assert TrainConfig.from_dict({"lr": 1, "vectorize": False}).lr == 1.0  # an int is a float
+
+
+# 3. small corpora train; too small ones say how much text is needed
+def test_small_corpus_trains(tmp_path):
+    words = "the quick brown fox jumps over the lazy dog and then it sleeps in the warm sun while birds sing".split()
+    rng = np.random.default_rng(0)
+    (tmp_path / "small.txt").write_text(" ".join(rng.choice(words, 2000)))  # about 10 kB
+    config = tiny_config(data=str(tmp_path / "small.txt"), batch_size=16, eval_batches=8, steps=4)
+    assert Run(config, tmp_path / "r", SimCommunicator(2), **QUIET).train()["final_eval_loss"] > 0
+
+
+def test_too_small_corpus_says_how_much_is_needed(tmp_path):
+    (tmp_path / "t.txt").write_text("All the world's a stage. " * 45)  # 1.1 kB, about 270 tokens
+    with pytest.raises(ConfigError, match=r"give at least 325 tokens \(about \d+ kB of text\)"):
+        Run(tiny_config(data=str(tmp_path / "t.txt"), model="small", seq_len=64), tmp_path / "r",
+            SimCommunicator(2), **QUIET)
+
+
+# 4. binary files are refused; Latin-1 text is decoded; broken UTF-8 is counted
+def test_binary_file_is_refused(tmp_path):
+    (tmp_path / "prog.txt").write_bytes(Path(sys.executable).read_bytes()[:200_000])
+    with pytest.raises(ConfigError, match="is not text"):
+        load_text(str(tmp_path / "prog.txt"))
+
+
+def test_latin1_and_broken_utf8(tmp_path):
+    (tmp_path / "latin.txt").write_bytes("Le café du théâtre, façade — ".encode("cp1252") * 100)
+    said = []
+    assert "café du théâtre, façade —" in load_text(str(tmp_path / "latin.txt"), log=said.append)
+    assert "not UTF-8" in said[0]
+    (tmp_path / "broken.txt").write_bytes(("naïve text " * 200).encode() + b"\xff\xfe\xff" + b" end" * 100)
+    said = []
+    load_text(str(tmp_path / "broken.txt"), log=said.append)
+    assert "3 invalid byte sequences" in said[0]
+
+
+# 5 and 8. a model folder (and any mlx-lm architecture) works from any directory
+def test_qwen3_preset_and_model_folder_from_another_directory(tmp_path):
+    preset = tmp_path / "qwen3-tiny.json"
+    preset.write_text(json.dumps({"type": "qwen3", "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64,
+                                  "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                  "head_dim": 16, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                                  "max_position_embeddings": 32, "tie_word_embeddings": True}))
+    out = run_cli("sim", *TINY, "--model", preset, "--steps", "4", "--sync-every", "2", "--run-dir", tmp_path / "q")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert run_cli("export", tmp_path / "q", tmp_path / "qwen3-model").returncode == 0
+    assert json.loads((tmp_path / "qwen3-model" / "config.json").read_text())["model_type"] == "qwen3"
+
+    # Fine-tune the exported folder, named by a relative path; use the run from elsewhere.
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    out = run_cli("sim", *TINY, "--model", "../qwen3-model", "--steps", "4", "--sync-every", "2",
+                  "--run-dir", "ft", cwd=tmp_path / "a")
+    assert out.returncode == 0, out.stderr[-2000:]
+    gen = run_cli("generate", "../a/ft", "--max-tokens", "3", cwd=tmp_path / "b")
+    assert gen.returncode == 0, gen.stderr[-2000:]
+    assert run_cli("export", "../a/ft", "exported", cwd=tmp_path / "b").returncode == 0
+    resumed = run_cli("sim", "--resume", "--run-dir", "../a/ft", "--sample-tokens", "0", cwd=tmp_path / "b")
+    assert resumed.returncode == 0 and "resumed" in resumed.stderr, resumed.stderr[-2000:]
+
+
+def test_misspelled_mlx_lm_option_and_unknown_type(tmp_path):
+    from mlx_diloco.modelzoo import load_spec
+    (tmp_path / "a.json").write_text(json.dumps({"type": "llama", "hiden_size": 32}))
+    with pytest.raises(ConfigError, match="llama has no option 'hiden_size'; did you mean 'hidden_size'"):
+        load_spec(str(tmp_path / "a.json"))
+    (tmp_path / "b.json").write_text(json.dumps({"type": "transformer9"}))
+    with pytest.raises(ConfigError, match="unknown type 'transformer9'"):
+        load_spec(str(tmp_path / "b.json"))
+
+
+# 6. resume falls back by itself to the newest intact checkpoint
+def test_resume_falls_back_to_an_intact_checkpoint(tmp_path):
+    config = tiny_config(steps=12, sync_every=4)
+    Run(config, tmp_path / "r", SimCommunicator(2), **QUIET).train()
+    ckpt = tmp_path / "r" / "ckpt-12.safetensors"
+    ckpt.write_bytes(ckpt.read_bytes()[:100])
+    said = []
+    run = Run(config, tmp_path / "r", SimCommunicator(2), resume=True, log=said.append)
+    assert run.step == 8 and any("checkpoint 12 is unreadable" in m and "using checkpoint 8" in m for m in said)
+
+    (tmp_path / "r" / "latest.json").write_text('{"st')  # torn pointer: the newest intact checkpoint counts
+    assert Run(config, tmp_path / "r", SimCommunicator(2), resume=True, **QUIET).step == 8
+
+
+# 7. defaults that work, and one clear line for each mistake
+def test_tiny_model_with_default_seq_len(tmp_path):
+    out = run_cli("sim", *TINY, "--steps", "2", "--run-dir", tmp_path / "r")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["seq_len"] == 32  # tiny's context
+
+
+def test_mistakes_outside_sim_get_their_own_line(tmp_path):
+    gen = run_cli("generate", tmp_path)
+    assert gen.returncode == 2 and "no checkpoint" in gen.stderr and "--resume" not in gen.stderr
+    (tmp_path / "notes.txt").write_text("not json\n")
+    plot = run_cli("plot", tmp_path / "notes.txt", "--out", tmp_path / "p.png")
+    assert plot.returncode == 2 and "is not a metrics file" in plot.stderr and len(plot.stderr.splitlines()) == 1
+    disc = run_cli("discover", "--hosts", "127.0.0.1:1", env={"MLX_DILOCO_SECRET": ""})
+    assert disc.returncode == 2 and "cluster secret" in disc.stderr
+    disc = run_cli("discover", "--hosts", "127.0.0.1:1", env={"MLX_DILOCO_SECRET": "s" * 20})
+    assert disc.returncode == 2 and "no agent answered" in disc.stderr
+
+
+def test_export_refuses_a_non_empty_folder(tmp_path):
+    assert run_cli("sim", *TINY, "--model", "llama-tiny", "--steps", "2", "--run-dir", tmp_path / "r").returncode == 0
+    before = (tmp_path / "r" / "config.json").read_text()
+    out = run_cli("export", tmp_path / "r", tmp_path / "r")
+    assert out.returncode == 2 and "is not empty" in out.stderr
+    assert (tmp_path / "r" / "config.json").read_text() == before
+
+
+def test_ctrl_c_hint_names_the_command_and_run(tmp_path):
+    env = {**os.environ, "MLX_DILOCO_SECRET": ""}
+    cases = [(["discover", "--discover-timeout", "60"], None),
+             (["sim", *TINY, "--steps", "100000", "--run-dir", str(tmp_path / "r")],
+              f"mlx-diloco sim --resume --run-dir {tmp_path / 'r'}")]
+    for args, hint in cases:
+        proc = subprocess.Popen([sys.executable, "-m", "mlx_diloco", *args], stderr=subprocess.PIPE, text=True, env=env)
+        deadline = time.time() + 60
+        while hint and not (tmp_path / "r" / "metrics.jsonl").exists() and time.time() < deadline:
+            time.sleep(0.2)  # the run has started training
+        time.sleep(3)
+        proc.send_signal(signal.SIGINT)
+        err = proc.communicate(timeout=60)[1]
+        assert proc.returncode == 130 and "interrupted" in err
+        assert ("sim --resume" not in err) if hint is None else (hint in err), err[-500:]
+
+
+# 10. the launcher cuts shards without building the model
+def test_shards_are_cut_without_building_the_model(tmp_path):
+    from mlx_diloco.launcher import cut_shards
+    (tmp_path / "t.txt").write_text(load_text("shakespeare")[:200_000])
+    config = TrainConfig.from_dict({"model": "llama-1b", "data": str(tmp_path / "t.txt"), "seq_len": 64, "workers": 2})
+    mx.reset_peak_memory()
+    files = cut_shards(config, 2, tmp_path / "shards", **QUIET)
+    assert sorted(files) == ["0", "1"] and "train.npy" in files["0"]
+    assert mx.get_peak_memory() < 100e6  # llama-1b's weights alone are 4.4 GB
+
+
+# 11. small things
+def test_every_imported_package_is_declared():
+    import ast
+    import tomllib
+    root = Path(__file__).resolve().parent.parent
+    declared = {d.split(";")[0].split("[")[0].split(">")[0].split("=")[0].strip().replace("-", "_")
+                for d in tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]}
+    imported = set()
+    for path in (root / "mlx_diloco").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                imported.add(node.module.split(".")[0])
+    third_party = imported - set(sys.stdlib_module_names) - {"mlx_diloco"}
+    assert third_party <= declared, third_party - declared
+
+
+def test_worker_failure_names_the_last_line_not_a_list(tmp_path):
+    from mlx_diloco.launcher import JobState, Launcher, Member
+    state = JobState("j", tiny_config().to_dict(), [Member("127.0.0.1", 1, 0, "mini")], 1, {})
+    launcher = Launcher(state, tmp_path, b"s" * 20, **QUIET)
+    launcher.started_at = time.time()
+    failure = launcher._failure({0: {"state": "exited", "returncode": 1, "progress": None,
+                                     "log_tail": "Traceback...\nValueError: boom\n"}})
+    assert failure["why"].endswith("exited with code 1: ValueError: boom")
