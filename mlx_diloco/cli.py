@@ -7,7 +7,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from .config import COMM_DTYPES, STRATEGIES, ConfigError, TrainConfig
+from .config import STRATEGIES, ConfigError, TrainConfig
 from .protocol import DEFAULT_PORT
 
 HELP = {
@@ -28,7 +28,12 @@ HELP = {
     "grad_clip": "per-worker gradient norm clip (0 disables)",
     "outer_lr": "outer SGD learning rate (DiLoCo)",
     "outer_momentum": "outer Nesterov momentum (DiLoCo; 0 = plain SGD)",
-    "comm_dtype": f"dtype of exchanged values: {', '.join(COMM_DTYPES)}",
+    "compress": "codec of exchanged values: fp32, fp16, bf16, int8, int4, e3m0, int2 (see codecs.py)",
+    "error_feedback": "add what compression lost to the next pseudo-gradient (--no-error-feedback: off)",
+    "fragments": "P: fragments of the model, each synced every H steps at its own offset (Streaming DiLoCo)",
+    "fragment_order": "strided (block l in fragment l mod P) or sequential (contiguous blocks)",
+    "overlap_steps": "tau: inner steps an exchange runs beside compute before its result is applied",
+    "merge_alpha": "weight of the local values when a result lands (-1: 0.5 with overlap, else 0)",
     "eval_every": "inner steps between evaluations (0: every outer step)",
     "eval_batches": "held-out batches per evaluation",
     "seed": "random seed (model init, data order)",
@@ -302,8 +307,9 @@ def build_parser():
 
     s = sub.add_parser("plan", help="what-if: sync time and utilisation for a model size, link and H")
     s.add_argument("--params", type=parse_count, default=7e9, help="model parameters, e.g. 7B or 124M (default 7B)")
-    s.add_argument("--dtype", default="float16", choices=["float32", "float16", "bfloat16", "int8", "int4"],
-                   help="dtype of the exchanged values")
+    s.add_argument("--compress", default="fp16", help=HELP["compress"])
+    s.add_argument("--fragments", type=int, default=1, help=HELP["fragments"])
+    s.add_argument("--overlap-steps", type=int, default=0, help=HELP["overlap_steps"])
     s.add_argument("--workers", type=int, default=2, help="workers in the ring")
     s.add_argument("--sync-every", type=int, default=500, help="DiLoCo H")
     s.add_argument("--step-time", type=float, default=60.0, help="seconds of compute per inner step")

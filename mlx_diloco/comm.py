@@ -2,12 +2,24 @@
 
 Arrays exchanged between workers carry a leading *worker axis* over the workers that this
 process hosts: all N of them in the simulator, one on a real cluster. With that convention an
-all-reduce is "sum over the worker axis of every worker in the job" and an all-gather is
-"concatenate the worker axes of every worker", whichever transport runs underneath.
+all-reduce is "sum over the worker axis of every worker in the job", whichever transport runs
+underneath.
 
-A transport implements two primitives, `_sum_workers` and `_gather_workers`; this base class
-adds what every transport shares: dtype handling, averaging, asynchronous starts (so Streaming
-DiLoCo can overlap an exchange with compute), and accounting of the bytes each worker sends.
+A transport implements three primitives: `_sum_workers` (the ring's all-reduce),
+`_gather_workers` (all-gather) and `_shift` (every worker receives its ring predecessor's array,
+over MLX's neighbour send/recv). This base class builds the exchange on them, once for every
+transport: one flat buffer per exchange (a bucket, not one collective per parameter), encoded by
+a codec (codecs.py), and reduced by the cheapest algorithm that codec allows:
+
+    summable codec (fp32, fp16, bf16)   ring all-reduce of x/M: sends 2(M-1)/M payloads
+    quantized codec, M = 2              all-gather, decode, average: sends 1 payload
+    quantized codec, M > 2              quantized ring: reduce-scatter then all-gather, each hop
+                                        decoding, adding in fp32 and re-encoding its chunk
+                                        (as PCCL does): sends 2(M-1)/M payloads
+
+Exchanges start asynchronously on their own stream (so Streaming DiLoCo can overlap them with
+inner steps); every wait on one is counted (and, on a cluster, watched), and every exchange is
+recorded with the bytes one worker really sends.
 """
 
 import time
@@ -15,9 +27,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+from .codecs import Codec, get_codec
 
 
 def tree_nbytes(tree) -> int:
@@ -29,25 +41,64 @@ def stack_copies(tree, n: int):
     return tree_map(lambda x: mx.broadcast_to(x[None], (n, *x.shape)), tree)
 
 
+def flatten_workers(tree):
+    """A tree of (n, ...) arrays -> one (n, L) float32 buffer, and how to undo it."""
+    flat = tree_flatten(tree)
+    n = flat[0][1].shape[0]
+    shapes = [(k, v.shape[1:]) for k, v in flat]
+    buffer = mx.concatenate([v.reshape(n, -1).astype(mx.float32) for _, v in flat], axis=1)
+    return buffer, shapes
+
+
+def unflatten(buffer, shapes):
+    """(L,) -> the tree `flatten_workers` described (without the worker axis)."""
+    out, offset = [], 0
+    for key, shape in shapes:
+        size = 1
+        for d in shape:
+            size *= d
+        out.append((key, buffer[offset:offset + size].reshape(shape)))
+        offset += size
+    return tree_unflatten(out)
+
+
+def exchange_plan(codec: Codec, length: int, workers: int):
+    """(algorithm, hops, payload bytes, bytes one worker sends) of a mean over `workers` of
+    `length` values in `codec`: the cheapest algorithm the codec allows (module docstring)."""
+    M, payload = workers, codec.wire_bytes(length)
+    if codec.summable or M == 1:
+        return "all_reduce", 2 * (M - 1), payload, 2 * (M - 1) * payload // M
+    if M == 2:
+        return "all_gather", M - 1, payload, (M - 1) * payload
+    return "quantized_ring", 2 * (M - 1), payload, 2 * (M - 1) * codec.wire_bytes(-(-length // M))
+
+
 @dataclass
 class CollectiveRecord:
-    op: str               # "all_reduce" or "all_gather"
-    payload_bytes: int    # one worker's contribution
-    sent_bytes: int       # what one worker sends on a ring
+    algorithm: str        # "all_reduce", "quantized_ring" or "all_gather"
+    codec: str
+    payload_bytes: int    # one worker's contribution, on the wire
+    sent_bytes: int       # what one worker sends
+    hops: int             # sequential steps, each paying the link latency once
+    tag: str = ""         # what was exchanged (e.g. "fragment 2")
+    overlap_steps: int = 0  # inner steps of compute that run while it travels
+    blocked_s: float = 0.0  # measured time this process waited for it
+    done: bool = False
 
 
 class Pending:
-    """An exchange that has been started; `result()` waits for it."""
+    """An exchange that has been started; `result()` waits for it and returns the mean."""
 
-    def __init__(self, tree, comm: "Communicator"):
-        self._tree, self._comm = tree, comm
-        with comm._blocked():  # on the CPU stream, starting an exchange can block too
-            mx.async_eval(self._tree)
+    def __init__(self, comm: "Communicator", out, record: CollectiveRecord, finish):
+        self._comm, self._out, self.record, self._finish = comm, out, record, finish
+        with comm._blocked(record):  # on the CPU stream, starting an exchange can block too
+            mx.async_eval(out)
 
     def result(self):
-        with self._comm._blocked():
-            mx.eval(self._tree)
-        return self._tree
+        with self._comm._blocked(self.record):
+            mx.eval(self._out)
+        self.record.done = True
+        return self._finish(self._out)
 
 
 @dataclass
@@ -56,6 +107,9 @@ class Communicator:
     local_workers: list           # job-wide indices of the replicas on the leading axis
     records: list = field(default_factory=list)
     wait_s: float = 0.0           # time spent waiting for exchanges to finish
+
+    def __post_init__(self):
+        self.stream = mx.new_stream(mx.cpu)  # exchanges run here, beside the compute stream
 
     # ---- what a transport implements
     def _sum_workers(self, x: mx.array) -> mx.array:
@@ -66,56 +120,101 @@ class Communicator:
         """(n_local, ...) -> (num_workers, ...): every worker's slice, in worker order."""
         raise NotImplementedError
 
+    def _shift(self, x: mx.array) -> mx.array:
+        """(n_local, ...) -> (n_local, ...): each worker's row replaced by its ring predecessor's."""
+        raise NotImplementedError
+
     @contextmanager
-    def _blocked(self):
+    def _blocked(self, record: CollectiveRecord = None):
         """Around every wait on an exchange: counts the time (a transport may add a watchdog)."""
         t0 = time.perf_counter()
         try:
             yield
         finally:
-            self.wait_s += time.perf_counter() - t0
+            waited = time.perf_counter() - t0
+            self.wait_s += waited
+            if record is not None:
+                record.blocked_s += waited
 
     # ---- what strategies call
     @property
     def n_local(self) -> int:
         return len(self.local_workers)
 
-    def all_mean(self, tree, dtype: str = "float32"):
-        """Mean over all workers of a tree of (n_local, ...) arrays, exchanged in `dtype`;
+    def all_mean(self, tree, codec="fp32", tag: str = ""):
+        """Mean over all workers of a tree of (n_local, ...) arrays, exchanged through `codec`;
         returned in float32 without the worker axis."""
-        return self.start_all_mean(tree, dtype).result()
+        return self.start_all_mean(tree, codec, tag).result()
 
-    def start_all_mean(self, tree, dtype: str = "float32") -> Pending:
-        wire = tree_map(lambda x: x.astype(DTYPES[dtype]), tree)
-        mx.eval(wire)  # inputs are ready before the exchange starts: waits then measure only the exchange
-        self._record("all_reduce", wire)
-        M = self.num_workers
-        return Pending(tree_map(lambda x: self._sum_workers(x).astype(mx.float32) / M, wire), self)
+    def start_all_mean(self, tree, codec="fp32", tag: str = "") -> Pending:
+        buffer, shapes = flatten_workers(tree)
+        pending = self.start_mean(buffer, codec, tag)
+        finish = pending._finish
+        pending._finish = lambda out: unflatten(finish(out), shapes)
+        return pending
 
-    def all_gather(self, tree):
-        """Every worker's values (for things that cannot be summed, e.g. quantized blocks)."""
-        self._record("all_gather", tree)
-        mx.eval(tree)
-        out = tree_map(self._gather_workers, tree)
-        with self._blocked():
-            mx.eval(out)
-        return out
+    def start_mean(self, buffer: mx.array, codec="fp32", tag: str = "") -> Pending:
+        """Start the mean over all workers of an (n_local, L) float32 buffer; the result is (L,)."""
+        codec = get_codec(codec) if isinstance(codec, str) else codec
+        mx.eval(buffer)  # inputs are ready before the exchange starts: waits then measure only the exchange
+        L = buffer.shape[1]
+        algorithm, hops, payload, sent = exchange_plan(codec, L, self.num_workers)
+        run = {"all_reduce": self._summed, "all_gather": self._gathered, "quantized_ring": self._quantized_ring}
+        with mx.stream(self.stream):
+            out = run[algorithm](buffer, codec)
+        record = CollectiveRecord(algorithm, codec.name, payload, sent, hops, tag)
+        self.records.append(record)
+        return Pending(self, out, record, finish=lambda out: out[:L])
+
+    # ---- the three algorithms
+    def _summed(self, buffer, codec):
+        # MLX's ring adds fp16/bf16 in that dtype: scale by 1/M before the sum, not after.
+        wire = codec.encode(buffer / self.num_workers)["values"]
+        return self._sum_workers(wire).astype(mx.float32)
+
+    def _gathered(self, buffer, codec):
+        wire = codec.encode(buffer)
+        gathered = {k: self._gather_workers(v) for k, v in wire.items()}
+        return codec.decode(gathered, buffer.shape[1]).sum(axis=0) / self.num_workers
+
+    def _quantized_ring(self, buffer, codec: Codec):
+        """Reduce-scatter then all-gather around the ring, M chunks. At reduce-scatter hop s,
+        worker w sends its running sum of chunk (w - s) mod M and adds its own values to the
+        chunk it receives; after M - 1 hops it holds the full sum of chunk (w + 1) mod M, encoded,
+        which then travels M - 1 hops so that every worker decodes the same bytes."""
+        M, L = self.num_workers, buffer.shape[1]
+        C = -(-L // M)
+        chunks = mx.pad(buffer, [(0, 0), (0, M * C - L)]).reshape(self.n_local, M, C)
+        me = mx.array(self.local_workers)
+
+        def chunk(index):  # each local worker's chunk number index[w]: (n_local, C)
+            return mx.take_along_axis(chunks, index[:, None, None], axis=1)[:, 0]
+
+        def shift(wire):
+            return {k: self._shift(v) for k, v in wire.items()}
+
+        wire = codec.encode(chunk(me % M))
+        for s in range(M - 1):
+            wire = codec.encode(codec.decode(shift(wire), C) + chunk((me - 1 - s) % M))
+        out = mx.zeros((self.n_local, M, C))
+        for s in range(M):
+            owned = (me + 1 - s) % M   # the chunk whose full sum this worker holds now
+            placed = (mx.arange(M)[None, :] == owned[:, None])[..., None]
+            out = mx.where(placed, codec.decode(wire, C)[:, None, :], out)
+            if s < M - 1:
+                wire = shift(wire)
+        # Every worker holds the same values: the mean of the job, without the worker axis.
+        return out[0].reshape(-1) / M
 
     def broadcast_local(self, tree):
         """Give every local worker the same values: (...) -> (n_local, ...)."""
         return stack_copies(tree, self.n_local)
 
-    # ---- accounting
-    def _record(self, op, wire_tree):
-        payload = tree_nbytes(wire_tree) // self.n_local
-        M = self.num_workers
-        # Ring algorithms: all-reduce sends 2(M-1)/M of the payload, all-gather (M-1) payloads.
-        sent = int(2 * (M - 1) / M * payload) if op == "all_reduce" else (M - 1) * payload
-        self.records.append(CollectiveRecord(op, payload, sent))
-
     def drain_records(self) -> list:
-        records, self.records = self.records, []
-        return records
+        """The records of the exchanges that have finished since the last call."""
+        done = [r for r in self.records if r.done]
+        self.records = [r for r in self.records if not r.done]
+        return done
 
 
 class SimCommunicator(Communicator):
@@ -129,3 +228,6 @@ class SimCommunicator(Communicator):
 
     def _gather_workers(self, x):
         return x
+
+    def _shift(self, x):
+        return mx.roll(x, 1, axis=0)

@@ -43,8 +43,8 @@ def from_dict(cls, params, what: str):
 
 
 STRATEGIES = ("diloco", "ddp", "fedavg")
+FRAGMENT_ORDERS = ("strided", "sequential")
 DEFAULT_MAX_SEQ_LEN = 1024  # what seq-len 0 stands for at most (a model folder may allow 32K)
-COMM_DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass
@@ -70,7 +70,13 @@ class TrainConfig:
     # Outer optimizer: SGD with Nesterov momentum on the pseudo-gradient
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
-    comm_dtype: str = "float16"
+    # The exchange, and Streaming DiLoCo (arXiv 2501.18512)
+    compress: str = "fp16"          # codec of exchanged values: fp32, fp16, bf16, int8, int4, e3m0, int2
+    error_feedback: bool = False    # add what compression lost to the next pseudo-gradient
+    fragments: int = 1              # P: fragments of the model, synced at staggered steps
+    fragment_order: str = "strided" # block l in fragment l mod P, or contiguous runs ("sequential")
+    overlap_steps: int = 0          # tau: inner steps an exchange overlaps before it is applied
+    merge_alpha: float = -1.0       # weight of the local values when a result lands; -1: 0.5 if tau > 0, else 0
     # Evaluation, bookkeeping
     eval_every: int = 0             # inner steps between evaluations; 0 = every outer step (or 50 for ddp)
     eval_batches: int = 8
@@ -95,6 +101,12 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def resolved_merge_alpha(self) -> float:
+        if self.merge_alpha >= 0:
+            return self.merge_alpha
+        return 0.5 if self.overlap_steps > 0 else 0.0
 
     @property
     def checkpoint_every(self) -> int:
@@ -126,5 +138,15 @@ class TrainConfig:
         need(0 <= self.outer_momentum < 1, f"outer-momentum must be in [0, 1) (got {self.outer_momentum})")
         need(self.eval_every >= 0 and self.eval_batches >= 1, "eval-every must be >= 0 and eval-batches >= 1")
         need(self.strategy in STRATEGIES, f"unknown strategy '{self.strategy}'; choose one of {', '.join(STRATEGIES)}")
-        need(self.comm_dtype in COMM_DTYPES, f"unknown comm-dtype '{self.comm_dtype}'; choose one of {', '.join(COMM_DTYPES)}")
+        from .codecs import CODECS  # here, not at the top: reading a config needs no MLX until now
+        need(self.compress in CODECS, f"unknown codec '{self.compress}'; choose one of {', '.join(CODECS)}")
+        need(self.fragments >= 1, f"fragments must be >= 1 (got {self.fragments})")
+        need(self.fragment_order in FRAGMENT_ORDERS,
+             f"unknown fragment-order '{self.fragment_order}'; choose one of {', '.join(FRAGMENT_ORDERS)}")
+        need(0 <= self.overlap_steps < self.sync_every,
+             f"overlap-steps must be in [0, H) = [0, {self.sync_every}) (got {self.overlap_steps})")
+        need(self.merge_alpha == -1 or 0 <= self.merge_alpha <= 1,
+             f"merge-alpha must be in [0, 1] (got {self.merge_alpha})")
+        need(self.strategy != "ddp" or (self.fragments == 1 and self.overlap_steps == 0 and not self.error_feedback),
+             "fragments, overlap-steps and error-feedback belong to diloco and fedavg, not ddp")
         return self

@@ -1,7 +1,8 @@
 """A model of the links between Macs, for time estimates of runs and for `mlx-diloco plan`.
 
 Ring all-reduce over M workers: 2(M-1) steps, each moving 1/M of the payload and paying the
-link latency once. Ring all-gather: M-1 steps, each moving one worker's payload.
+link latency once. Ring all-gather: M-1 steps, each moving one worker's payload. The quantized
+ring: 2(M-1) steps of one encoded chunk. comm.exchange_plan says which one an exchange uses.
 """
 
 import re
@@ -55,19 +56,13 @@ def parse_link(text: str) -> Link:
     return Link(text, bw, lat)
 
 
+def exchange_time(hops: int, sent_bytes: float, link: Link) -> float:
+    """A ring algorithm's time: `hops` sequential steps each paying the latency, and the bytes one
+    worker sends at the link's bandwidth (every worker sends at once, on its own link)."""
+    return hops * link.latency_s + sent_bytes * 8 / link.bandwidth_bps
+
+
 def all_reduce_time(payload_bytes: float, workers: int, link: Link) -> float:
-    if workers <= 1:
-        return 0.0
-    steps = 2 * (workers - 1)
-    return steps * (link.latency_s + payload_bytes / workers * 8 / link.bandwidth_bps)
-
-
-def all_gather_time(payload_bytes: float, workers: int, link: Link) -> float:
-    if workers <= 1:
-        return 0.0
-    return (workers - 1) * (link.latency_s + payload_bytes * 8 / link.bandwidth_bps)
-
-
-def collective_time(op: str, payload_bytes: float, workers: int, link: Link) -> float:
-    fn = all_reduce_time if op == "all_reduce" else all_gather_time
-    return fn(payload_bytes, workers, link)
+    """Ring all-reduce: 2(M-1) steps, each moving 1/M of the payload."""
+    M = workers
+    return exchange_time(2 * (M - 1), 2 * (M - 1) * payload_bytes / M, link) if M > 1 else 0.0

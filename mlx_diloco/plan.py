@@ -1,26 +1,32 @@
-"""`mlx-diloco plan`: what-if estimates of sync time and utilisation for any model, link and H."""
+"""`mlx-diloco plan`: what-if estimates of sync time and utilisation for any model, link and H,
+codec, number of fragments (Streaming DiLoCo) and overlap."""
 
+from .codecs import get_codec
+from .comm import exchange_plan
 from .metrics import human_bytes
-from .network import LINKS, all_reduce_time, parse_link
-
-BYTES_PER = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int4": 0.5}
+from .network import LINKS, exchange_time, parse_link
 
 
-def plan(params: float, dtype: str, workers: int, sync_every: int, step_time: float,
-         links: list, total_steps: int = None) -> list:
-    """One row per link: sync time and compute utilisation of DDP and DiLoCo."""
-    payload = params * BYTES_PER[dtype]
+def plan(params: float, codec: str, workers: int, sync_every: int, step_time: float, links: list,
+         total_steps: int = None, fragments: int = 1, overlap_steps: int = 0) -> list:
+    """One row per link: sync time and compute utilisation of DDP and (Streaming) DiLoCo. DiLoCo
+    exchanges P fragments every H steps; each one's time beyond `overlap_steps` of compute is exposed."""
+    codec = get_codec(codec)
+    _, hops, _, sent = exchange_plan(codec, int(params), workers)
+    _, frag_hops, _, frag_sent = exchange_plan(codec, int(params) // fragments, workers)
     rows = []
     for link in links:
-        sync = all_reduce_time(payload, workers, link)
-        row = {"link": link.describe(), "sync_s": sync,
+        sync = exchange_time(hops, sent, link) if workers > 1 else 0.0
+        fragment = exchange_time(frag_hops, frag_sent, link) if workers > 1 else 0.0
+        exposed = fragments * max(0.0, fragment - overlap_steps * step_time)  # per H steps
+        row = {"link": link.describe(), "sync_s": sync, "fragment_s": fragment,
                "ddp_util": step_time / (step_time + sync),
-               "diloco_util": sync_every * step_time / (sync_every * step_time + sync)}
+               "diloco_util": sync_every * step_time / (sync_every * step_time + exposed)}
         if total_steps:
             per_worker = total_steps / workers
             row["single_s"] = total_steps * step_time
             row["ddp_s"] = per_worker * (step_time + sync)
-            row["diloco_s"] = per_worker * step_time + per_worker / sync_every * sync
+            row["diloco_s"] = per_worker * step_time + per_worker / sync_every * exposed
         rows.append(row)
     return rows
 
@@ -39,16 +45,25 @@ def format_duration(s: float) -> str:
 
 def print_plan(args):
     links = [parse_link(l) for l in args.link] if args.link else list(LINKS.values())
-    rows = plan(args.params, args.dtype, args.workers, args.sync_every, args.step_time, links, args.total_steps)
-    payload = args.params * BYTES_PER[args.dtype]
-    print(f"model {args.params / 1e9:g}B parameters in {args.dtype} = {human_bytes(payload)} per sync; "
-          f"{args.workers} workers, ring all-reduce, step time {format_duration(args.step_time)}, H = {args.sync_every}")
-    head = f"{'link':34} {'sync time':>11} {'DDP util':>9} {'DiLoCo util':>12}"
+    P, tau = args.fragments, args.overlap_steps
+    rows = plan(args.params, args.compress, args.workers, args.sync_every, args.step_time, links,
+                args.total_steps, P, tau)
+    codec = get_codec(args.compress)
+    algorithm, _, payload, sent = exchange_plan(codec, int(args.params), args.workers)
+    _, _, _, frag_sent = exchange_plan(codec, int(args.params) // P, args.workers)
+    print(f"model {args.params / 1e9:g}B parameters in {codec.name} = {human_bytes(payload)} per sync "
+          f"({payload / args.params:.3g} bytes/parameter); {args.workers} workers, {algorithm.replace('_', ' ')}: "
+          f"each sends {human_bytes(sent)} per sync; step time {format_duration(args.step_time)}, H = {args.sync_every}")
+    if P > 1 or tau:
+        print(f"streaming: {P} fragments, each exchange sends {human_bytes(frag_sent)} (peak), "
+              f"overlapped with {tau} inner steps")
+    head = f"{'link':34} {'sync time':>11} {'fragment':>11} {'DDP util':>9} {'DiLoCo util':>12}"
     if args.total_steps:
         head += f" {'single':>11} {'DDP':>11} {'DiLoCo':>11}"
     print(head)
     for r in rows:
-        line = f"{r['link']:34} {format_duration(r['sync_s']):>11} {r['ddp_util']:>9.1%} {r['diloco_util']:>12.1%}"
+        line = (f"{r['link']:34} {format_duration(r['sync_s']):>11} {format_duration(r['fragment_s']):>11} "
+                f"{r['ddp_util']:>9.1%} {r['diloco_util']:>12.1%}")
         if args.total_steps:
             line += "".join(f" {format_duration(r[k]):>11}" for k in ("single_s", "ddp_s", "diloco_s"))
         print(line)

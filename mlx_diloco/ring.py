@@ -38,16 +38,23 @@ class RingCommunicator(Communicator):
     def __init__(self, group, timeout_s: float = 60.0):
         super().__init__(group.size(), [group.rank()])
         self.group, self.timeout_s = group, timeout_s
+        self.send_stream = mx.new_stream(mx.cpu)  # sends run beside the receives they pair with
 
     def _sum_workers(self, x):
-        return mx.distributed.all_sum(x[0], group=self.group, stream=mx.cpu)
+        return mx.distributed.all_sum(x[0], group=self.group, stream=self.stream)
 
     def _gather_workers(self, x):
-        return mx.distributed.all_gather(x, group=self.group, stream=mx.cpu)
+        return mx.distributed.all_gather(x, group=self.group, stream=self.stream)
+
+    def _shift(self, x):
+        rank, M = self.group.rank(), self.group.size()
+        sent = mx.distributed.send(x[0], (rank + 1) % M, group=self.group, stream=self.send_stream)
+        received = mx.distributed.recv_like(x[0], (rank - 1) % M, group=self.group, stream=self.stream)
+        return mx.depends(received, sent)[None]
 
     @contextmanager
-    def _blocked(self):
-        with watchdog(self.timeout_s), super()._blocked():
+    def _blocked(self, record=None):
+        with watchdog(self.timeout_s), super()._blocked(record):
             yield
 
 

@@ -12,9 +12,11 @@ job-wide inner step counter, which every worker agrees on, so the sync schedule 
 
 import mlx.core as mx
 import mlx.optimizers as optim
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
+from .codecs import get_codec
 from .comm import Communicator
+from .fragments import Fragment, gather, global_tree, partition
 
 
 class Strategy:
@@ -36,8 +38,8 @@ class Strategy:
         """The model to evaluate and export (no worker axis)."""
         return tree_map(lambda p: p[0], params)
 
-    def is_sync_step(self, step: int) -> bool:
-        """True where every worker holds the same model (a safe checkpoint boundary)."""
+    def checkpoint_safe(self) -> bool:
+        """True when no exchange is in flight, so that a checkpoint holds the whole state."""
         return True
 
     def state(self) -> dict:
@@ -54,13 +56,18 @@ class DDP(Strategy):
     def reduce_gradients(self, grads, step):
         if self.comm.num_workers == 1:
             return grads
-        mean = self.comm.all_mean(grads, self.config.comm_dtype)
+        mean = self.comm.all_mean(grads, self.config.compress, tag="gradients")
         return self.comm.broadcast_local(mean)
 
 
 class DiLoCo(Strategy):
-    """DiLoCo (arXiv 2311.08105): H local steps, then an outer Nesterov step on the averaged
-    pseudo-gradient  delta = global - local."""
+    """DiLoCo (arXiv 2311.08105) and Streaming DiLoCo (arXiv 2501.18512).
+
+    Every H steps each fragment of the model takes an outer Nesterov step on the workers' mean
+    pseudo-gradient  delta = global - local. With one fragment, no overlap and no merge this is
+    DiLoCo; with P fragments their syncs are spread evenly over H (fragment p at offset
+    H(p+1)/P mod H), each exchange is applied tau inner steps after it starts, and the result is
+    merged into the local models with weight alpha on the local values."""
     name = "diloco"
 
     def outer_optimizer(self):
@@ -69,32 +76,48 @@ class DiLoCo(Strategy):
                          nesterov=c.outer_momentum > 0)
 
     def setup(self, params):
-        self.global_model = params
-        self.outer = self.outer_optimizer()
-        self.outer.init(self.global_model)
-
-    def is_sync_step(self, step):
-        """Every H steps, and at the last step: a run always ends on a synced global model."""
-        return step % self.config.sync_every == 0 or step == self.config.steps
+        c, P = self.config, self.config.fragments
+        self.template = params
+        flat = {k: v[None] for k, v in tree_flatten(params)}
+        alpha = c.resolved_merge_alpha
+        self.fragments = [
+            Fragment(p, pieces, gather(flat, pieces)[0], self.outer_optimizer(), c.sync_every,
+                     offset=c.sync_every * (p + 1) // P % c.sync_every, delay=c.overlap_steps, alpha=alpha,
+                     codec=get_codec(c.compress), error_feedback=c.error_feedback, n_local=self.comm.n_local)
+            for p, pieces in enumerate(partition(params, P, c.fragment_order))]
 
     def after_step(self, params, step):
-        if not self.is_sync_step(step):
-            return params
-        delta = tree_map(lambda g, p: g[None] - p, self.global_model, params)
-        mean_delta = self.comm.all_mean(delta, self.config.comm_dtype)
-        self.global_model = self.outer.apply_gradients(mean_delta, self.global_model)
-        mx.eval(self.global_model, self.outer.state)
-        return self.comm.broadcast_local(self.global_model)
+        flat = dict(tree_flatten(params))
+        if step == self.config.steps:  # the end: land what is in flight, then sync every fragment now
+            for f in self.fragments:
+                if f.pending is not None:
+                    flat = f.perform_sync(flat)
+                f.prepare_sync(flat, self.comm, step)
+                flat = f.perform_sync(flat, final=True)
+        else:
+            for f in self.fragments:   # every worker starts the fragments' exchanges in the same order
+                if f.is_send_step(step):
+                    f.prepare_sync(flat, self.comm, step)
+            for f in self.fragments:
+                if f.pending is not None and f.apply_at == step:
+                    flat = f.perform_sync(flat)
+        return tree_unflatten(list(flat.items()))
 
     def global_params(self, params):
-        return self.global_model
+        return global_tree(self.template, self.fragments)
+
+    def checkpoint_safe(self):
+        return all(f.pending is None for f in self.fragments)
 
     def state(self):
-        return {"global": self.global_model, "outer": self.outer.state}
+        return {"global": self.global_params(None),
+                "fragments": [f.state() for f in self.fragments]}
 
     def load_state(self, state):
-        self.global_model = state["global"]
-        self.outer.state = state["outer"]
+        flat = {k: v[None] for k, v in tree_flatten(state["global"])}
+        for f in self.fragments:
+            f.global_values = gather(flat, f.pieces)[0]
+            f.load_state(state["fragments"][f.index])
 
 
 class FedAvg(DiLoCo):

@@ -23,7 +23,7 @@ from .atomic import atomic_write_text
 from .data import EMBEDDED, FASHION_MNIST, ShardSampler, load_shard, prepare
 from .metrics import MetricsLog, human_bytes
 from .modelzoo import build_model, count_parameters, load_spec
-from .network import collective_time, parse_link
+from .network import exchange_time, parse_link
 from .strategies import make_strategy
 from .workers import Workers
 
@@ -120,10 +120,13 @@ class Run:
                                       is_shard=self.data.is_shard) for w in data_workers]
         self.eval_batches = self.data.eval_batches(config.batch_size, config.eval_batches)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        self.exchanges = MetricsLog(self.run_dir / "exchanges.jsonl")
         self.step = 0
         self.compute_s = 0.0     # measured compute time of one worker
         self.comm_s = 0.0        # modelled exchange time on the configured link
         self.bytes_sent = 0      # by one worker
+        self.peak_exchange_bytes = 0  # the largest single exchange (bytes one worker sends)
+        self.last_checkpoint = 0
         self.wall_start = time.time()
         self.n_params = count_parameters(model)
         if resume:
@@ -168,8 +171,12 @@ class Run:
             if evaluate:
                 self.evaluate(loss_sum / loss_count, worker_losses)
                 loss_sum, loss_count = 0, 0
-            if self.strategy.is_sync_step(self.step) and (self.step % c.checkpoint_every == 0 or self.step == c.steps):
+            # Checkpoints only where no exchange is in flight (with staggered fragments: the first
+            # such step after every checkpoint_every steps), and always at the end.
+            due = self.step - self.last_checkpoint >= c.checkpoint_every or self.step == c.steps
+            if due and self.strategy.checkpoint_safe():
                 self.save_checkpoint()
+                self.last_checkpoint = self.step
             if stop_after is not None and self.step >= stop_after:
                 break
         bar.close()
@@ -178,12 +185,27 @@ class Run:
     def _write_progress(self, losses, tokens_per_s):
         atomic_write_text(self.place.progress_path, json.dumps({
             "step": self.step, "steps": self.config.steps, "loss": float(losses.mean().item()),
-            "tokens_per_s": tokens_per_s, "sync_s": self.comm.wait_s, "time": time.time()}), durable=False)
+            "tokens_per_s": tokens_per_s, "sync_s": self.comm.wait_s, "bytes_sent": self.bytes_sent,
+            "time": time.time()}), durable=False)
 
     def _account_exchanges(self):
+        """Bytes and modelled time of the exchanges that finished; with overlap only what the
+        overlapped inner steps do not hide counts. The reporter logs each one (exchanges.jsonl)."""
+        step_s = self.compute_s / max(self.step, 1)
+        rows = []
         for r in self.comm.drain_records():
+            modelled = exchange_time(r.hops, r.sent_bytes, self.link)
+            exposed = max(0.0, modelled - r.overlap_steps * step_s)
             self.bytes_sent += r.sent_bytes
-            self.comm_s += collective_time(r.op, r.payload_bytes, self.comm.num_workers, self.link)
+            self.peak_exchange_bytes = max(self.peak_exchange_bytes, r.sent_bytes)
+            self.comm_s += exposed
+            rows.append({"step": self.step, "what": r.tag, "codec": r.codec, "algorithm": r.algorithm,
+                         "payload_bytes": r.payload_bytes, "sent_bytes": r.sent_bytes,
+                         "overlap_steps": r.overlap_steps, "modelled_s": modelled, "exposed_s": exposed,
+                         "blocked_s": r.blocked_s})
+        if self.reporter and self.config.strategy != "ddp":  # DDP's would be one row per step
+            for row in rows:
+                self.exchanges.write(row)
 
     # ------------------------------------------------------------ evaluation and metrics
     def global_params(self):
@@ -201,13 +223,15 @@ class Run:
             "eval_loss": global_loss, "eval_loss_workers": worker_losses,
             "train_loss": None if train_losses is None else float(train_losses.mean().item()),
             "train_loss_workers": None if train_losses is None else train_losses.tolist(),
-            "bytes_sent_per_worker": self.bytes_sent, "compute_s": self.compute_s,
+            "bytes_sent_per_worker": self.bytes_sent, "peak_exchange_bytes": self.peak_exchange_bytes,
+            "compute_s": self.compute_s,
             "comm_s": self.comm_s, "modelled_time_s": modelled, "sync_wait_s": self.comm.wait_s,
             "utilisation": self.compute_s / modelled if modelled else 1.0,
             # on a real cluster: compute against the time actually spent waiting for exchanges
             "measured_utilisation": self.compute_s / (self.compute_s + self.comm.wait_s) if self.compute_s else 1.0,
             "wall_s": time.time() - self.wall_start,
             "strategy": c.strategy, "workers": c.workers, "sync_every": c.sync_every, "link": self.link.name,
+            "compress": c.compress, "fragments": c.fragments, "overlap_steps": c.overlap_steps,
         }
         self.metrics.write(row)
 
@@ -217,7 +241,8 @@ class Run:
         summary = {"run_dir": str(self.run_dir), "strategy": self.config.strategy,
                    "workers": self.config.workers, "steps": self.step, "parameters": self.n_params,
                    "final_eval_loss": last.get("eval_loss"), "tokens": last.get("tokens"),
-                   "bytes_sent_per_worker": self.bytes_sent, "compute_s": self.compute_s,
+                   "bytes_sent_per_worker": self.bytes_sent, "peak_exchange_bytes": self.peak_exchange_bytes,
+            "compute_s": self.compute_s,
                    "modelled_comm_s": self.comm_s, "utilisation": last.get("utilisation"),
                    "link": self.link.describe()}
         if self.reporter:
@@ -230,6 +255,7 @@ class Run:
                   "strategy": self.strategy.state()}
         meta = {"config": self.config.to_dict(), "cursors": [s.state() for s in self.samplers],
                 "compute_s": self.compute_s, "comm_s": self.comm_s, "bytes_sent": self.bytes_sent,
+                "peak_exchange_bytes": self.peak_exchange_bytes,
                 "model_preset": self.spec.params, "vocab_size": self.data.vocab_size}
         checkpoint.save(self.checkpoint_dir, self.step, arrays, meta)
 
@@ -242,5 +268,7 @@ class Run:
         for sampler, cursor in zip(self.samplers, meta["cursors"]):
             sampler.load_state(cursor)
         self.compute_s, self.comm_s, self.bytes_sent = meta["compute_s"], meta["comm_s"], meta["bytes_sent"]
+        self.peak_exchange_bytes, self.last_checkpoint = meta.get("peak_exchange_bytes", 0), self.step
         self.metrics.truncate_after(self.step)
+        self.exchanges.truncate_after(self.step)
         self.log(f"resumed {self.run_dir} at step {self.step}")

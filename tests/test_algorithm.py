@@ -27,8 +27,8 @@ def make_run(tmp_path, name, **overrides):
 
 def test_outer_step_is_nesterov_formula(tmp_path):
     """v <- mu v + delta;  theta <- theta - eta (delta + mu v), checked over several outer steps."""
-    run = make_run(tmp_path, "r", strategy="diloco", comm_dtype="float32", outer_lr=0.7, outer_momentum=0.9)
-    theta = flat(run.strategy.global_model)
+    run = make_run(tmp_path, "r", strategy="diloco", compress="fp32", outer_lr=0.7, outer_momentum=0.9)
+    theta = flat(run.strategy.global_params(None))
     v = {k: np.zeros_like(p) for k, p in theta.items()}
     for _ in range(3):
         for _ in range(run.config.sync_every):
@@ -40,7 +40,7 @@ def test_outer_step_is_nesterov_formula(tmp_path):
             delta = (theta[k][None] - local[k]).mean(axis=0)
             v[k] = 0.9 * v[k] + delta
             theta[k] = theta[k] - 0.7 * (delta + 0.9 * v[k])
-        got = flat(run.strategy.global_model)
+        got = flat(run.strategy.global_params(None))
         for k in theta:
             np.testing.assert_allclose(got[k], theta[k], rtol=1e-5, atol=1e-6, err_msg=k)
             # every worker restarts from the new global model
@@ -48,12 +48,12 @@ def test_outer_step_is_nesterov_formula(tmp_path):
 
 
 def test_fedavg_global_is_mean_of_workers(tmp_path):
-    run = make_run(tmp_path, "r", strategy="fedavg", comm_dtype="float32", sync_every=3)
+    run = make_run(tmp_path, "r", strategy="fedavg", compress="fp32", sync_every=3)
     for step in range(1, 4):
         run.workers.step(*run.next_batch(), run.strategy, step)
     mean = tree_map(lambda p: p.mean(axis=0), run.workers.params)
     run.strategy.after_step(run.workers.params, 3)
-    assert_trees_close(run.strategy.global_model, mean, rtol=1e-5, atol=1e-6)
+    assert_trees_close(run.strategy.global_params(None), mean, rtol=1e-5, atol=1e-6)
 
 
 def test_diloco_h1_fedavg_equals_ddp_with_sgd(tmp_path):
@@ -62,7 +62,7 @@ def test_diloco_h1_fedavg_equals_ddp_with_sgd(tmp_path):
     results = {}
     for strategy, overrides in {"diloco": dict(sync_every=1, outer_lr=1.0, outer_momentum=0.0),
                                 "ddp": {}}.items():
-        run = make_run(tmp_path, strategy, strategy=strategy, comm_dtype="float32", grad_clip=0, **overrides)
+        run = make_run(tmp_path, strategy, strategy=strategy, compress="fp32", grad_clip=0, **overrides)
         run.workers.optimizer = optim.SGD(learning_rate=0.5)
         run.workers.optimizer.init(run.workers.params)
         for step in range(1, 6):
@@ -76,7 +76,7 @@ def test_diloco_h1_fedavg_equals_ddp_with_sgd(tmp_path):
 
 
 def test_ddp_keeps_replicas_identical(tmp_path):
-    run = make_run(tmp_path, "r", strategy="ddp", workers=3, comm_dtype="float32")
+    run = make_run(tmp_path, "r", strategy="ddp", workers=3, compress="fp32")
     for step in range(1, 4):
         run.workers.step(*run.next_batch(), run.strategy, step)
     for k, p in flat(run.workers.params).items():
@@ -85,7 +85,7 @@ def test_ddp_keeps_replicas_identical(tmp_path):
 
 
 def test_pseudo_gradient_bytes_are_accounted(tmp_path):
-    run = make_run(tmp_path, "r", workers=4, sync_every=2, steps=4, comm_dtype="float16")
+    run = make_run(tmp_path, "r", workers=4, sync_every=2, steps=4, compress="fp16")
     run.train()
     # two outer steps, fp16 payload, ring all-reduce sends 2 (M-1)/M of it
     payload = run.n_params * 2

@@ -53,7 +53,7 @@ def events(run_dir):
 def sim_global(config, tmp_path):
     run = Run(config, tmp_path / "sim", SimCommunicator(config.workers), log=lambda m: None)
     summary = run.train()
-    return {k: np.array(v) for k, v in tree_flatten(run.strategy.global_model)}, summary["final_eval_loss"]
+    return {k: np.array(v) for k, v in tree_flatten(run.strategy.global_params(None))}, summary["final_eval_loss"]
 
 
 def cluster_global(cluster):
@@ -90,7 +90,7 @@ def wait_for_step(cluster, host, step, timeout=300):
 # by an FP16 rounding step, and AdamW then amplifies that (1e-4 after 12 steps). Two workers add in
 # one order; tests/test_ring.py checks FP16 there.
 def test_three_hosts_found_over_mdns_train_like_sim(cluster, tmp_path):
-    config = tiny_config(workers=3, steps=12, sync_every=4, comm_dtype="float32")
+    config = tiny_config(workers=3, steps=12, sync_every=4, compress="fp32")
     run_dir = tmp_path / "run"
     out = finish(launch(config, run_dir))  # no --hosts: the agents are found over mDNS
     kinds = [e["event"] for e in events(run_dir)]
@@ -105,7 +105,7 @@ def test_three_hosts_found_over_mdns_train_like_sim(cluster, tmp_path):
 
 # A run long enough to interrupt mid-round: 16 outer rounds of 15 steps (~10 s).
 def long_config():
-    return tiny_config(workers=3, steps=240, sync_every=15, seq_len=32, batch_size=8, comm_dtype="float32")
+    return tiny_config(workers=3, steps=240, sync_every=15, seq_len=32, batch_size=8, compress="fp32")
 
 
 def test_killed_worker_is_detected_and_the_job_finishes(cluster, tmp_path):

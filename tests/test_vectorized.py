@@ -39,7 +39,7 @@ def test_sequential_mode_matches_vectorized(tmp_path):
         config = tiny_config(workers=2, steps=8, vectorize=vectorize)
         run = Run(config, tmp_path / f"v{vectorize}", SimCommunicator(2), log=lambda m: None)
         run.train()
-        finals.append(dict(tree_flatten(run.strategy.global_model)))
+        finals.append(dict(tree_flatten(run.strategy.global_params(None))))
     for k in finals[0]:
         np.testing.assert_allclose(np.array(finals[0][k]), np.array(finals[1][k]), rtol=1e-4, atol=1e-5)
 

@@ -1,0 +1,159 @@
+"""Model fragments for (Streaming) DiLoCo: which values sync together, when, and how.
+
+The model's transformer blocks are dealt into P fragments, strided (block l in fragment l mod P,
+the Streaming DiLoCo paper's default) or sequential (contiguous runs of blocks). Blocks are found
+from parameter paths: `h.N.` (our GPT) or `layers.N.` (mlx-lm models). Everything outside the
+blocks (token and position embeddings, an untied head, the final norm) is cut into P row ranges,
+one per fragment: a fragment then holds the same share of those as of the blocks, so no single
+exchange is larger than it must be. With P = 1 the one fragment is the whole model.
+
+A fragment is a list of pieces (parameter path, first and last flat index of that parameter), so
+its values form one flat buffer: one exchange per sync, and elementwise outer optimizers run on
+it as they would on the tree.
+"""
+
+import re
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .codecs import Codec
+
+BLOCK = re.compile(r"(?:^|\.)(?:h|layers)\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Piece:
+    path: str
+    start: int   # flat offsets within the parameter (without the worker axis)
+    stop: int
+
+
+def partition(params, P: int, order: str = "strided") -> list:
+    """P lists of Pieces that together cover every parameter exactly once."""
+    flat = tree_flatten(params)
+    blocks = sorted({int(m.group(1)) for k, _ in flat if (m := BLOCK.search(k))})
+    if P > max(len(blocks), 1):
+        from .config import ConfigError
+        raise ConfigError(f"{P} fragments but the model has {len(blocks)} blocks; pass --fragments "
+                          f"{max(len(blocks), 1)} or fewer")
+    if order == "strided":
+        owner = {b: i % P for i, b in enumerate(blocks)}
+    else:  # sequential: contiguous runs, the first ones one block longer when P does not divide
+        owner = {b: min(i * P // len(blocks), P - 1) for i, b in enumerate(blocks)}
+    fragments = [[] for _ in range(P)]
+    for path, value in flat:
+        m = BLOCK.search(path)
+        if m:
+            fragments[owner[int(m.group(1))]].append(Piece(path, 0, value.size))
+            continue
+        # Outside the blocks: P ranges of whole rows, or (a vector) the whole array to the last fragment.
+        rows = value.shape[0] if value.ndim > 1 else 1
+        if rows < P:
+            fragments[P - 1].append(Piece(path, 0, value.size))
+            continue
+        row = value.size // rows
+        for p in range(P):
+            fragments[p].append(Piece(path, rows * p // P * row, rows * (p + 1) // P * row))
+    return fragments
+
+
+def gather(flat_params: dict, pieces: list) -> mx.array:
+    """The pieces' values as one (n, L) buffer; `flat_params` maps paths to (n, ...) arrays."""
+    n = next(iter(flat_params.values())).shape[0]
+    return mx.concatenate([flat_params[p.path].reshape(n, -1)[:, p.start:p.stop].astype(mx.float32)
+                           for p in pieces], axis=1)
+
+
+def scatter(flat_params: dict, pieces: list, values: mx.array) -> dict:
+    """`flat_params` with the pieces' values replaced by an (n, L) buffer (cast to each dtype)."""
+    out, offset = dict(flat_params), 0
+    for p in pieces:
+        old = out[p.path]
+        n, size = old.shape[0], p.stop - p.start
+        part = values[:, offset:offset + size].astype(old.dtype)
+        if p.start == 0 and p.stop == old.size // n:
+            out[p.path] = part.reshape(old.shape)
+        else:
+            flat = old.reshape(n, -1)
+            out[p.path] = mx.concatenate([flat[:, :p.start], part, flat[:, p.stop:]], axis=1).reshape(old.shape)
+        offset += size
+    return out
+
+
+class Fragment:
+    """One fragment's sync state: its global values (L,), its own outer optimizer (and its state),
+    an error-feedback buffer, and the exchange in flight.
+
+    It sends at steps t with (t - offset) mod H == 0 and applies the result `delay` (tau) steps
+    later: an outer step on its global values, then the merge  local <- alpha * local +
+    (1 - alpha) * global  on every local worker."""
+
+    def __init__(self, index: int, pieces: list, global_values: mx.array, outer: optim.Optimizer,
+                 sync_every: int, offset: int, delay: int, alpha: float, codec: Codec,
+                 error_feedback: bool, n_local: int):
+        if not 0 <= offset < sync_every:
+            raise ValueError(f"fragment {index}: offset {offset} outside [0, {sync_every})")
+        if not 0 <= delay < sync_every:
+            raise ValueError(f"fragment {index}: overlap of {delay} steps must be below H = {sync_every}")
+        if not 0 <= alpha <= 1:
+            raise ValueError(f"fragment {index}: merge alpha {alpha} outside [0, 1]")
+        self.index, self.pieces, self.global_values = index, pieces, global_values
+        self.outer, self.sync_every, self.offset, self.delay = outer, sync_every, offset, delay
+        self.alpha, self.codec = alpha, codec
+        self.error = mx.zeros((n_local, global_values.size)) if error_feedback else None
+        self.outer.init({"p": global_values})
+        self.pending, self.apply_at = None, None
+
+    @property
+    def size(self) -> int:
+        return self.global_values.size
+
+    def is_send_step(self, step: int) -> bool:
+        return (step - self.offset) % self.sync_every == 0
+
+    def prepare_sync(self, flat_params: dict, comm, step: int):
+        """Start exchanging the pseudo-gradient  global - local  (plus what compression lost last time)."""
+        delta = self.global_values[None] - gather(flat_params, self.pieces)
+        if self.error is not None:
+            delta = delta + self.error
+            self.error = delta - self.codec.roundtrip(delta)  # what this worker's message will lack
+            mx.eval(self.error)
+        self.pending = comm.start_mean(delta, self.codec, tag=f"fragment {self.index}")
+        self.pending.record.overlap_steps = self.delay
+        self.apply_at = step + self.delay
+
+    def perform_sync(self, flat_params: dict, final: bool = False) -> dict:
+        """Wait for the exchange, take the outer step, merge into every local worker (at the end of
+        a run every worker takes the global values as they are)."""
+        mean_delta = self.pending.result()
+        self.pending, self.apply_at = None, None
+        self.global_values = self.outer.apply_gradients({"p": mean_delta}, {"p": self.global_values})["p"]
+        mx.eval(self.global_values, self.outer.state)
+        merged = self.global_values[None]
+        if self.alpha > 0 and not final:
+            merged = self.alpha * gather(flat_params, self.pieces) + (1 - self.alpha) * merged
+        else:
+            merged = mx.broadcast_to(merged, (next(iter(flat_params.values())).shape[0], self.size))
+        return scatter(flat_params, self.pieces, merged)
+
+    def state(self) -> dict:
+        out = {"outer": self.outer.state}
+        if self.error is not None:
+            out["error"] = self.error
+        return out
+
+    def load_state(self, state: dict):
+        self.outer.state = state["outer"]
+        if self.error is not None:
+            self.error = state["error"]
+
+
+def global_tree(params, fragments: list):
+    """The global model (no worker axis): each fragment's global values in their places."""
+    flat = {k: v[None] for k, v in tree_flatten(params)}
+    for f in fragments:
+        flat = scatter(flat, f.pieces, f.global_values[None])
+    return tree_unflatten([(k, v[0]) for k, v in flat.items()])
