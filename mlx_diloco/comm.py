@@ -73,6 +73,23 @@ def exchange_plan(codec: Codec, length: int, workers: int):
     return "quantized_ring", 2 * (M - 1), payload, 2 * (M - 1) * codec.wire_bytes(-(-length // M))
 
 
+def pack(wire: dict) -> mx.array:
+    """A wire form's arrays as one (n, bytes) uint8 message. One message per transfer: a ring recv
+    takes the next bytes on its socket, whichever of several concurrent sends wrote them."""
+    n = next(iter(wire.values())).shape[0]
+    return mx.concatenate([v.view(mx.uint8).reshape(n, -1) for v in wire.values()], axis=1)
+
+
+def unpack(packed: mx.array, like: dict) -> dict:
+    """`pack` undone, for messages of any number of workers (the leading axis of `packed`)."""
+    out, offset, n = {}, 0, packed.shape[0]
+    for k, v in like.items():
+        size = v[0].nbytes
+        out[k] = packed[:, offset:offset + size].view(v.dtype).reshape(n, *v.shape[1:])
+        offset += size
+    return out
+
+
 @dataclass
 class CollectiveRecord:
     algorithm: str        # "all_reduce", "quantized_ring" or "all_gather"
@@ -174,7 +191,7 @@ class Communicator:
 
     def _gathered(self, buffer, codec):
         wire = codec.encode(buffer)
-        gathered = {k: self._gather_workers(v) for k, v in wire.items()}
+        gathered = unpack(self._gather_workers(pack(wire)), wire)
         return codec.decode(gathered, buffer.shape[1]).sum(axis=0) / self.num_workers
 
     def _quantized_ring(self, buffer, codec: Codec):
@@ -191,7 +208,7 @@ class Communicator:
             return mx.take_along_axis(chunks, index[:, None, None], axis=1)[:, 0]
 
         def shift(wire):
-            return {k: self._shift(v) for k, v in wire.items()}
+            return unpack(self._shift(pack(wire)), wire)
 
         wire = codec.encode(chunk(me % M))
         for s in range(M - 1):
