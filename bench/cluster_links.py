@@ -77,7 +77,7 @@ def main():
     args = p.parse_args()
     ensure_fast_blas([__file__, *sys.argv[1:]])
     from emulated import EmulatedCluster, can_build
-    from mlx_diloco.network import collective_time, parse_link
+    from mlx_diloco.network import all_reduce_time, parse_link
     if why := can_build():
         raise SystemExit(f"cannot build the emulated cluster: {why}")
 
@@ -99,7 +99,7 @@ def main():
                         f"--strategy={strategy}", f"--steps={steps}", f"--link={link}", *extra])
                     syncs = steps // args.sync_every if strategy == "diloco" else steps
                     payload = int(row["bytes_sent_per_worker"] / syncs)  # 2 workers: a ring sends the payload once
-                    modelled = collective_time("all_reduce", payload, 2, parse_link(link))
+                    modelled = all_reduce_time(payload, 2, parse_link(link))
                     if strategy == "diloco":
                         measured = measure_all_reduce(cluster, Path(tmp) / name, payload)
                     line = (f"{name:>9} {strategy:>8} {row['compute_s'] / steps * 1e3:>10.1f} ms {syncs:>6} "

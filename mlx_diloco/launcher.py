@@ -27,7 +27,7 @@ from . import protocol
 from .atomic import atomic_write_text
 from .config import ConfigError, TrainConfig
 from .discovery import AgentClient, AgentError, Found
-from .metrics import MetricsLog
+from .metrics import MetricsLog, human_bytes
 from .ringplan import plan_ring
 
 
@@ -256,7 +256,8 @@ class Launcher:
                     bar.n = min(p["step"] for p in progress)
                     bar.set_postfix_str("  ".join(
                         f"w{m.worker_id} {s['progress']['loss']:.3f} {s['progress']['tokens_per_s']:,.0f}tok/s "
-                        f"sync {s['progress']['sync_s']:.1f}s" for m in self.state.members
+                        f"sync {s['progress']['sync_s']:.1f}s sent {human_bytes(s['progress'].get('bytes_sent', 0))}"
+                        for m in self.state.members
                         if (s := states.get(m.worker_id)) and s.get("progress")))
                     bar.refresh()
                 if states and len(states) == len(self.state.members) and \

@@ -1,0 +1,78 @@
+"""Streaming DiLoCo on a real (emulated) 2-host cluster at 100 Mbit/s: compute utilisation of
+DiLoCo with an fp16 exchange and of Streaming DiLoCo with int4 (tau = 1 and tau = 5), at the same
+H, side by side, next to the network model's prediction for each.
+
+The model (gpt-10m, 4 x 64 tokens a step) is large enough that one full fp16 sync (28 MB) takes
+several inner steps at 100 Mbit/s. Needs root (network namespaces; see cluster/netns-cluster.sh).
+
+    sudo .venv/bin/python bench/cluster_streaming.py      # ~10 minutes on a 2-core machine
+"""
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "cluster"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from mlx_diloco.blas import ensure_fast_blas  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="gpt-10m", help="model preset")
+    p.add_argument("--sync-every", type=int, default=30, help="H")
+    p.add_argument("--steps", type=int, default=90, help="inner steps of each run")
+    p.add_argument("--fragments", type=int, default=3, help="P for the streaming runs")
+    p.add_argument("--rate", default="100mbit", help="each host's link (tc rate)")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "cluster_streaming.txt"))
+    args = p.parse_args()
+    ensure_fast_blas([__file__, *sys.argv[1:]])
+    from cluster_links import run_job
+    from emulated import EmulatedCluster, can_build
+    if why := can_build():
+        raise SystemExit(f"cannot build the emulated cluster: {why}")
+
+    base = [f"--model={args.model}", "--workers=2", "--seq-len=64", "--batch-size=4", "--eval-batches=2",
+            "--warmup=10", f"--sync-every={args.sync_every}", f"--steps={args.steps}", f"--eval-every={args.steps}",
+            f"--link={args.rate}/0.05ms"]
+    runs = {"DiLoCo fp16": ["--compress=fp16"],
+            "Streaming int4 tau=1": ["--compress=int4", f"--fragments={args.fragments}", "--overlap-steps=1"],
+            "Streaming int4 tau=5": ["--compress=int4", f"--fragments={args.fragments}", "--overlap-steps=5"]}
+    lines = [f"2 hosts at {args.rate}, model {args.model}, 4x64 tokens a step, H={args.sync_every}, {args.steps} steps; "
+             f"streaming: P={args.fragments}",
+             f"{'run':22} {'compute/step':>13} {'exchanges':>9} {'largest':>9} {'blocked/exchange':>17} "
+             f"{'modelled/exchange':>18} {'util (measured)':>16} {'util (modelled)':>16}"]
+    print(lines[0], flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = EmulatedCluster(2, Path(tmp) / "c", rate=args.rate)
+        try:
+            for name, flags in runs.items():
+                folder = name.split()[0].lower() + "-" + "-".join(f.split("=")[1] for f in flags)
+                row = run_job(cluster, Path(tmp), folder, base + flags)
+                (log,) = cluster.folder.glob(f"host*/jobs/{folder}-*/worker-*/exchanges.jsonl")  # rank 0's
+                exchanges = [json.loads(l) for l in log.read_text().splitlines()]
+                n = len(exchanges)
+                line = (f"{name:22} {row['compute_s'] / args.steps * 1e3:>10.1f} ms {n:>9} "
+                        f"{row['peak_exchange_bytes'] / 1e6:>6.2f} MB "
+                        f"{sum(e['blocked_s'] for e in exchanges) / n * 1e3:>14.1f} ms "
+                        f"{sum(e['modelled_s'] for e in exchanges) / n * 1e3:>15.1f} ms "
+                        f"{row['measured_utilisation']:>16.1%} {row['utilisation']:>16.1%}")
+                print(line, flush=True)
+                lines.append(line)
+        finally:
+            cluster.close()
+    lines += ["blocked/exchange: rank 0's measured time blocked per exchange (starting it and waiting for its",
+              "  result; includes waiting for the slower peer); modelled/exchange: the network model's time.",
+              "util (measured): compute / (compute + blocked); util (modelled): compute / (compute + the",
+              "  modelled exchange time that the overlapped steps do not hide)."]
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[1:]))
+    print(f"saved {args.out}")
+
+
+if __name__ == "__main__":
+    main()
