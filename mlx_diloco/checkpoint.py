@@ -1,7 +1,9 @@
-"""Checkpoints, taken at outer-step boundaries and written atomically.
+"""Checkpoints, taken every H steps (DiLoCo) and at the end of a run, written atomically.
 
 A checkpoint is two files: `ckpt-STEP.safetensors` (every array: the global model, the outer
-optimizer, each worker's parameters and inner AdamW state) and `ckpt-STEP.json` (the config,
+optimizer, each worker's parameters and inner AdamW state; with Streaming DiLoCo also each
+fragment's error-feedback buffer and the pseudo-gradient of an exchange in flight, which a resumed
+run sends again) and `ckpt-STEP.json` (the config,
 step, data cursors, RNG state). `latest.json` names the newest complete checkpoint and is
 replaced last, so a crash while writing leaves the previous checkpoint in force.
 """

@@ -28,7 +28,7 @@ HELP = {
     "grad_clip": "per-worker gradient norm clip (0 disables)",
     "outer_lr": "outer SGD learning rate (DiLoCo)",
     "outer_momentum": "outer Nesterov momentum (DiLoCo; 0 = plain SGD)",
-    "compress": "codec of exchanged values: fp32, fp16, bf16, int8, int4, e3m0, int2 (see codecs.py)",
+    "compress": "codec of exchanged values: {codecs} (scales counted in the bytes)",
     "error_feedback": "add what compression lost to the next pseudo-gradient (--no-error-feedback: off)",
     "fragments": "P: fragments of the model, each synced every H steps at its own offset (Streaming DiLoCo)",
     "fragment_order": "strided (block l in fragment l mod P) or sequential (contiguous blocks)",
@@ -42,17 +42,23 @@ HELP = {
 }
 
 
+def codec_help() -> str:
+    from .codecs import CODECS  # MLX is imported only once the parser is built (after the BLAS re-exec)
+    return HELP["compress"].format(codecs=", ".join(CODECS))
+
+
 def add_config_flags(parser):
     parser.add_argument("--config", help="JSON file with config keys (flags given here override it)")
+    help_of = {**HELP, "compress": codec_help()}
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.type is bool or f.type == "bool":
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
-                                help=HELP[f.name])
+                                help=help_of[f.name])
         else:
             kind = {"int": int, "float": float, "str": str}.get(f.type if isinstance(f.type, str) else f.type.__name__)
             parser.add_argument(flag, dest=f.name, type=kind, default=None,
-                                help=f"{HELP[f.name]} (default: {f.default})")
+                                help=f"{help_of[f.name]} (default: {f.default})")
 
 
 def given_flags(args) -> dict:
@@ -307,7 +313,7 @@ def build_parser():
 
     s = sub.add_parser("plan", help="what-if: sync time and utilisation for a model size, link and H")
     s.add_argument("--params", type=parse_count, default=7e9, help="model parameters, e.g. 7B or 124M (default 7B)")
-    s.add_argument("--compress", default="fp16", help=HELP["compress"])
+    s.add_argument("--compress", default="fp16", help=codec_help())
     s.add_argument("--fragments", type=int, default=1, help=HELP["fragments"])
     s.add_argument("--overlap-steps", type=int, default=0, help=HELP["overlap_steps"])
     s.add_argument("--workers", type=int, default=2, help="workers in the ring")

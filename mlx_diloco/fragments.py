@@ -105,7 +105,7 @@ class Fragment:
         self.alpha, self.codec = alpha, codec
         self.error = mx.zeros((n_local, global_values.size)) if error_feedback else None
         self.outer.init({"p": global_values})
-        self.pending, self.apply_at = None, None
+        self.pending, self.apply_at, self.sent = None, None, None
 
     @property
     def size(self) -> int:
@@ -121,15 +121,18 @@ class Fragment:
             delta = delta + self.error
             self.error = delta - self.codec.roundtrip(delta)  # what this worker's message will lack
             mx.eval(self.error)
+        self._start(delta, comm, apply_at=step + self.delay)
+
+    def _start(self, delta, comm, apply_at: int):
+        self.sent, self.apply_at = delta, apply_at  # kept until it lands: a checkpoint can restart it
         self.pending = comm.start_mean(delta, self.codec, tag=f"fragment {self.index}")
         self.pending.record.overlap_steps = self.delay
-        self.apply_at = step + self.delay
 
     def perform_sync(self, flat_params: dict, final: bool = False) -> dict:
         """Wait for the exchange, take the outer step, merge into every local worker (at the end of
         a run every worker takes the global values as they are)."""
         mean_delta = self.pending.result()
-        self.pending, self.apply_at = None, None
+        self.pending, self.apply_at, self.sent = None, None, None
         self.global_values = self.outer.apply_gradients({"p": mean_delta}, {"p": self.global_values})["p"]
         mx.eval(self.global_values, self.outer.state)
         merged = self.global_values[None]
@@ -140,15 +143,21 @@ class Fragment:
         return scatter(flat_params, self.pieces, merged)
 
     def state(self) -> dict:
+        """Outer optimizer state, error-feedback buffer, and an exchange in flight (what this worker sent)."""
         out = {"outer": self.outer.state}
         if self.error is not None:
             out["error"] = self.error
+        if self.pending is not None:
+            out["in_flight"] = {"sent": self.sent, "apply_at": mx.array(self.apply_at)}
         return out
 
-    def load_state(self, state: dict):
+    def load_state(self, state: dict, comm):
+        """Restore, and start again the exchange that was in flight: every worker resends what it sent."""
         self.outer.state = state["outer"]
         if self.error is not None:
             self.error = state["error"]
+        if "in_flight" in state:
+            self._start(state["in_flight"]["sent"], comm, apply_at=state["in_flight"]["apply_at"].item())
 
 
 def global_tree(params, fragments: list):

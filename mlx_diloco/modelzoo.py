@@ -48,6 +48,11 @@ class ModelSpec:
     def vocab_size(self):
         return self.params.get("vocab_size")
 
+    @property
+    def num_blocks(self) -> int:
+        """Transformer blocks (what Streaming DiLoCo deals into fragments); 0 for the CNN."""
+        return self.params.get("n_layer") or self.params.get("num_hidden_layers") or 0
+
 
 def preset_names():
     return sorted(p.name[:-5] for p in resources.files("mlx_diloco.presets").iterdir() if p.name.endswith(".json"))

@@ -38,10 +38,6 @@ class Strategy:
         """The model to evaluate and export (no worker axis)."""
         return tree_map(lambda p: p[0], params)
 
-    def checkpoint_safe(self) -> bool:
-        """True when no exchange is in flight, so that a checkpoint holds the whole state."""
-        return True
-
     def state(self) -> dict:
         return {}
 
@@ -106,9 +102,6 @@ class DiLoCo(Strategy):
     def global_params(self, params):
         return global_tree(self.template, self.fragments)
 
-    def checkpoint_safe(self):
-        return all(f.pending is None for f in self.fragments)
-
     def state(self):
         return {"global": self.global_params(None),
                 "fragments": [f.state() for f in self.fragments]}
@@ -117,7 +110,7 @@ class DiLoCo(Strategy):
         flat = {k: v[None] for k, v in tree_flatten(state["global"])}
         for f in self.fragments:
             f.global_values = gather(flat, f.pieces)[0]
-            f.load_state(state["fragments"][f.index])
+            f.load_state(state["fragments"][f.index], self.comm)
 
 
 class FedAvg(DiLoCo):

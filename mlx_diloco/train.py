@@ -56,6 +56,9 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
     if spec.is_language_model != (config.data != FASHION_MNIST):
         raise ConfigError(f"model '{config.model}' does not fit data '{config.data}': "
                           "the cnn preset trains on fashion-mnist, language models on text")
+    if config.fragments > max(spec.num_blocks, 1):
+        raise ConfigError(f"{config.fragments} fragments but model '{config.model}' has {spec.num_blocks} blocks; "
+                          f"pass --fragments {max(spec.num_blocks, 1)} or fewer")
     if config.seq_len == 0:
         config = replace(config, seq_len=min(spec.context_length, DEFAULT_MAX_SEQ_LEN))
     if spec.is_language_model and config.seq_len > spec.context_length:
@@ -126,7 +129,6 @@ class Run:
         self.comm_s = 0.0        # modelled exchange time on the configured link
         self.bytes_sent = 0      # by one worker
         self.peak_exchange_bytes = 0  # the largest single exchange (bytes one worker sends)
-        self.last_checkpoint = 0
         self.wall_start = time.time()
         self.n_params = count_parameters(model)
         if resume:
@@ -171,12 +173,8 @@ class Run:
             if evaluate:
                 self.evaluate(loss_sum / loss_count, worker_losses)
                 loss_sum, loss_count = 0, 0
-            # Checkpoints only where no exchange is in flight (with staggered fragments: the first
-            # such step after every checkpoint_every steps), and always at the end.
-            due = self.step - self.last_checkpoint >= c.checkpoint_every or self.step == c.steps
-            if due and self.strategy.checkpoint_safe():
+            if self.step % c.checkpoint_every == 0 or self.step == c.steps:
                 self.save_checkpoint()
-                self.last_checkpoint = self.step
             if stop_after is not None and self.step >= stop_after:
                 break
         bar.close()
@@ -268,7 +266,7 @@ class Run:
         for sampler, cursor in zip(self.samplers, meta["cursors"]):
             sampler.load_state(cursor)
         self.compute_s, self.comm_s, self.bytes_sent = meta["compute_s"], meta["comm_s"], meta["bytes_sent"]
-        self.peak_exchange_bytes, self.last_checkpoint = meta.get("peak_exchange_bytes", 0), self.step
+        self.peak_exchange_bytes = meta.get("peak_exchange_bytes", 0)
         self.metrics.truncate_after(self.step)
         self.exchanges.truncate_after(self.step)
         self.log(f"resumed {self.run_dir} at step {self.step}")

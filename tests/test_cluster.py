@@ -120,8 +120,8 @@ def test_three_hosts_found_over_mdns_train_like_sim(cluster, tmp_path, streaming
 
 
 # A run long enough to interrupt mid-round: 16 outer rounds of 15 steps (~10 s).
-def long_config():
-    return tiny_config(workers=3, steps=240, sync_every=15, seq_len=32, batch_size=8, compress="fp32")
+def long_config(**overrides):
+    return tiny_config(workers=3, steps=240, sync_every=15, seq_len=32, batch_size=8, compress="fp32", **overrides)
 
 
 def test_killed_worker_is_detected_and_the_job_finishes(cluster, tmp_path):
@@ -143,8 +143,12 @@ def test_killed_worker_is_detected_and_the_job_finishes(cluster, tmp_path):
     assert_final_loss(run_dir, sim_loss, rel=2e-3)
 
 
-def test_stalled_worker_is_detected_within_the_collective_timeout(cluster, tmp_path):
-    config, run_dir = long_config(), tmp_path / "run"
+# Streaming: two fragments (tiny has two blocks), each exchange overlapping 8 of H = 15 steps, so one
+# is always in flight: a wait for a stalled peer happens 8 steps after the exchange started, and
+# every checkpoint carries an exchange to restart.
+@pytest.mark.parametrize("streaming", [False, True], ids=["diloco", "streaming"])
+def test_stalled_worker_is_detected_within_the_collective_timeout(cluster, tmp_path, streaming):
+    config, run_dir = long_config(**(dict(fragments=2, overlap_steps=8) if streaming else {})), tmp_path / "run"
     timeout = 6.0
     proc = launch(config, run_dir, f"--hosts={cluster.hosts_flag}", f"--collective-timeout={timeout}")
     wait_for_step(cluster, 3, 37)

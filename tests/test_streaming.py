@@ -162,7 +162,7 @@ def test_streaming_resume_is_exact(tmp_path):
     first = Run(config, tmp_path / "split", SimCommunicator(2), **QUIET)
     first.train(stop_after=15)
     resumed = Run(config, tmp_path / "split", SimCommunicator(2), resume=True, **QUIET)
-    assert resumed.step == 9  # the first step after 8 with no exchange in flight
+    assert resumed.step == 8 and resumed.strategy.fragments[1].pending is not None  # in flight: restarted
     resumed.train()
     a = flat({"g": straight.global_params(), "l": straight.workers.params, "s": straight.strategy.state()})
     b = flat({"g": resumed.global_params(), "l": resumed.workers.params, "s": resumed.strategy.state()})
@@ -177,3 +177,9 @@ def test_error_feedback_carries_what_compression_lost(tmp_path):
     run.train(stop_after=4)
     (fragment,) = run.strategy.fragments
     assert fragment.error.shape == (2, run.n_params) and float(mx.abs(fragment.error).max()) > 0
+
+
+def test_more_fragments_than_blocks_is_refused_before_anything_runs(tmp_path):
+    from mlx_diloco.config import ConfigError
+    with pytest.raises(ConfigError, match="3 fragments but model 'tiny' has 2 blocks; pass --fragments 2"):
+        Run(tiny_config(fragments=3), tmp_path / "r", SimCommunicator(2), **QUIET)
