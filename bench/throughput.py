@@ -27,7 +27,6 @@ def make_setup(model_name, workers, batch_size, vectorize, seq_len):
     from mlx_diloco.config import TrainConfig
     from mlx_diloco.data import prepare
     from mlx_diloco.modelzoo import build_model, load_spec
-    from mlx_diloco.strategies import make_strategy
     from mlx_diloco.workers import Workers
 
     config = TrainConfig.from_dict(dict(model=model_name, workers=workers, batch_size=batch_size,
@@ -35,9 +34,9 @@ def make_setup(model_name, workers, batch_size, vectorize, seq_len):
     spec = load_spec(model_name)
     data = prepare(config.data, seq_len, spec.vocab_size, log=lambda m: None)
     model = build_model(spec)
-    strategy = make_strategy(SimCommunicator(workers), config)
+    strategy = config.make_strategy().bind(SimCommunicator(workers), config.steps)
     strategy.setup(model.trainable_parameters())
-    w = Workers(model, workers, config, vectorize=vectorize)
+    w = Workers(model, workers, config, strategy.inner_optimizer(config), vectorize=vectorize)
     x, y = (mx.array(a.reshape(workers, batch_size, -1)) for a in data.train.get(range(workers * batch_size)))
     step = iter(range(1, 1 << 30))
     return lambda: w.step(x, y, strategy, next(step))

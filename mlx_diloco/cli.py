@@ -7,7 +7,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from .config import STRATEGIES, ConfigError, TrainConfig
+from .config import ConfigError, TrainConfig
 from .protocol import DEFAULT_PORT
 
 HELP = {
@@ -17,23 +17,14 @@ HELP = {
     "seq_len": "tokens per training sequence (0: the model's context, at most 1024)",
     "batch_size": "sequences per worker per inner step",
     "workers": "number of (simulated) workers",
-    "strategy": f"training strategy: {', '.join(STRATEGIES)}",
-    "sync_every": "H: inner steps between outer steps (DiLoCo, FedAvg)",
+    "strategy": "training strategy: {strategies}",
     "steps": "inner steps per worker",
-    "lr": "peak inner AdamW learning rate",
+    "lr": "peak inner learning rate",
     "warmup": "linear warmup steps before the cosine decay",
-    "weight_decay": "inner AdamW weight decay",
+    "weight_decay": "inner weight decay",
     "beta1": "inner AdamW beta1",
     "beta2": "inner AdamW beta2",
     "grad_clip": "per-worker gradient norm clip (0 disables)",
-    "outer_lr": "outer SGD learning rate (DiLoCo)",
-    "outer_momentum": "outer Nesterov momentum (DiLoCo; 0 = plain SGD)",
-    "compress": "codec of exchanged values: {codecs} (scales counted in the bytes)",
-    "error_feedback": "add what compression lost to the next pseudo-gradient (--no-error-feedback: off)",
-    "fragments": "P: fragments of the model, each synced every H steps at its own offset (Streaming DiLoCo)",
-    "fragment_order": "strided (block l in fragment l mod P) or sequential (contiguous blocks)",
-    "overlap_steps": "tau: inner steps an exchange runs beside compute before its result is applied",
-    "merge_alpha": "weight of the local values when a result lands (-1: 0.5 with overlap, else 0)",
     "eval_every": "inner steps between evaluations (0: every outer step)",
     "eval_batches": "held-out batches per evaluation",
     "seed": "random seed (model init, data order)",
@@ -42,27 +33,30 @@ HELP = {
 }
 
 
-def codec_help() -> str:
-    from .codecs import CODECS  # MLX is imported only once the parser is built (after the BLAS re-exec)
-    return HELP["compress"].format(codecs=", ".join(CODECS))
-
-
 def add_config_flags(parser):
+    """A flag for every config key, and for every option of every strategy (strategies/)."""
+    from .strategies import STRATEGIES  # imports MLX: only once the parser is built (after the BLAS re-exec)
     parser.add_argument("--config", help="JSON file with config keys (flags given here override it)")
-    help_of = {**HELP, "compress": codec_help()}
-    for f in fields(TrainConfig):
+    flags = [(f, HELP[f.name].format(strategies=", ".join(STRATEGIES))) for f in fields(TrainConfig)
+             if f.name != "strategy_options"]
+    seen = {f.name for f, _ in flags}
+    for cls in STRATEGIES.values():
+        for f in fields(cls):
+            if f.name not in seen:
+                seen.add(f.name)
+                owners = [n for n, c in STRATEGIES.items() if f.name in {g.name for g in fields(c)}]
+                flags.append((f, f"{f.metadata['help']} ({', '.join(owners)})"))
+    for f, help in flags:
         flag = "--" + f.name.replace("_", "-")
-        if f.type is bool or f.type == "bool":
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
-                                help=help_of[f.name])
+        if f.type is bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help)
         else:
-            kind = {"int": int, "float": float, "str": str}.get(f.type if isinstance(f.type, str) else f.type.__name__)
-            parser.add_argument(flag, dest=f.name, type=kind, default=None,
-                                help=f"{help_of[f.name]} (default: {f.default})")
+            parser.add_argument(flag, dest=f.name, type=f.type, default=None, help=f"{help} (default: {f.default})")
+    parser.set_defaults(config_keys=sorted(seen))
 
 
 def given_flags(args) -> dict:
-    return {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name) is not None}
+    return {k: getattr(args, k) for k in args.config_keys if getattr(args, k) is not None}
 
 
 def config_from_flags(args, defaults: dict = None) -> TrainConfig:
@@ -313,9 +307,9 @@ def build_parser():
 
     s = sub.add_parser("plan", help="what-if: sync time and utilisation for a model size, link and H")
     s.add_argument("--params", type=parse_count, default=7e9, help="model parameters, e.g. 7B or 124M (default 7B)")
-    s.add_argument("--compress", default="fp16", help=codec_help())
-    s.add_argument("--fragments", type=int, default=1, help=HELP["fragments"])
-    s.add_argument("--overlap-steps", type=int, default=0, help=HELP["overlap_steps"])
+    s.add_argument("--compress", default="fp16", help="codec of exchanged values (see codecs.py)")
+    s.add_argument("--fragments", type=int, default=1, help="P: fragments synced at staggered steps (Streaming DiLoCo)")
+    s.add_argument("--overlap-steps", type=int, default=0, help="tau: inner steps that hide each fragment's exchange")
     s.add_argument("--workers", type=int, default=2, help="workers in the ring")
     s.add_argument("--sync-every", type=int, default=500, help="DiLoCo H")
     s.add_argument("--step-time", type=float, default=60.0, help="seconds of compute per inner step")

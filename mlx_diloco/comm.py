@@ -51,13 +51,13 @@ def flatten_workers(tree):
 
 
 def unflatten(buffer, shapes):
-    """(L,) -> the tree `flatten_workers` described (without the worker axis)."""
-    out, offset = [], 0
+    """(..., L) -> the tree `flatten_workers` described, with the buffer's leading axes (if any)."""
+    out, offset, lead = [], 0, buffer.shape[:-1]
     for key, shape in shapes:
         size = 1
         for d in shape:
             size *= d
-        out.append((key, buffer[offset:offset + size].reshape(shape)))
+        out.append((key, buffer[..., offset:offset + size].reshape(*lead, *shape)))
         offset += size
     return tree_unflatten(out)
 
@@ -222,6 +222,17 @@ class Communicator:
                 wire = shift(wire)
         # Every worker holds the same values: the mean of the job, without the worker axis.
         return out[0].reshape(-1) / M
+
+    def all_gather(self, wire: dict, tag: str = "") -> dict:
+        """Every worker's arrays, for what cannot be summed (e.g. DeMo's top-k indices and values):
+        {name: (n_local, ...)} -> {name: (num_workers, ...)}, sent as one message."""
+        M, payload = self.num_workers, sum(v[0].nbytes for v in wire.values())
+        record = CollectiveRecord("all_gather", "raw", payload, (M - 1) * payload, M - 1, tag)
+        self.records.append(record)
+        mx.eval(wire)
+        with mx.stream(self.stream):
+            out = unpack(self._gather_workers(pack(wire)), wire)
+        return Pending(self, out, record, finish=lambda out: out).result()
 
     def broadcast_local(self, tree):
         """Give every local worker the same values: (...) -> (n_local, ...)."""

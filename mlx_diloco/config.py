@@ -2,7 +2,7 @@
 
 import difflib
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 
@@ -42,8 +42,6 @@ def from_dict(cls, params, what: str):
     return cls(**{k: checked_value(k, v, types[k]) for k, v in params.items()})
 
 
-STRATEGIES = ("diloco", "ddp", "fedavg")
-FRAGMENT_ORDERS = ("strided", "sequential")
 DEFAULT_MAX_SEQ_LEN = 1024  # what seq-len 0 stands for at most (a model folder may allow 32K)
 
 
@@ -55,10 +53,10 @@ class TrainConfig:
     tokenizer: str = ""             # '' trains a byte-level BPE on the corpus; or an HF/mlx-lm tokenizer folder
     seq_len: int = 0                # 0: the model's context length, at most DEFAULT_MAX_SEQ_LEN
     batch_size: int = 16            # sequences per worker per inner step
-    # The simulated (or real) cluster
+    # The simulated (or real) cluster, and the strategy (strategies/: its options are its own)
     workers: int = 4
     strategy: str = "diloco"
-    sync_every: int = 50            # H: inner steps between outer steps
+    strategy_options: dict = field(default_factory=dict)  # e.g. {"sync_every": 50}; flat in files and flags
     steps: int = 500                # inner steps per worker
     # Inner optimizer: AdamW with PyTorch-equivalent settings
     lr: float = 1e-3
@@ -67,16 +65,6 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0          # per-worker global-norm clip; 0 disables
-    # Outer optimizer: SGD with Nesterov momentum on the pseudo-gradient
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    # The exchange, and Streaming DiLoCo (arXiv 2501.18512)
-    compress: str = "fp16"          # codec of exchanged values: fp32, fp16, bf16, int8, int4, e3m0, int2
-    error_feedback: bool = False    # add what compression lost to the next pseudo-gradient
-    fragments: int = 1              # P: fragments of the model, synced at staggered steps
-    fragment_order: str = "strided" # block l in fragment l mod P, or contiguous runs ("sequential")
-    overlap_steps: int = 0          # tau: inner steps an exchange overlaps before it is applied
-    merge_alpha: float = -1.0       # weight of the local values when a result lands; -1: 0.5 if tau > 0, else 0
     # Evaluation, bookkeeping
     eval_every: int = 0             # inner steps between evaluations; 0 = every outer step (or 50 for ddp)
     eval_batches: int = 8
@@ -86,7 +74,29 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, params: dict) -> "TrainConfig":
-        return from_dict(cls, params, what="config key").validated()
+        """Config keys and the strategy's options side by side ({"strategy": "diloco", "sync_every": 50});
+        every key is checked against the config and the chosen strategy, every value against its type."""
+        from .strategies import STRATEGIES, strategy_class
+        if not isinstance(params, dict):
+            return from_dict(cls, params, what="config key")  # the one-line error for a non-object
+        own = {f.name for f in fields(cls)}
+        name = params.get("strategy", cls.strategy)
+        theirs = {f.name for f in fields(strategy_class(name))} if isinstance(name, str) else set()
+        options = dict(params.get("strategy_options") or {})
+        for key in params:
+            if key in theirs:
+                options[key] = params[key]
+            elif key not in own:
+                others = [n for n, c in STRATEGIES.items() if key in {f.name for f in fields(c)}]
+                if others:
+                    raise ConfigError(f"'{key}' is an option of {', '.join(others)}, not of strategy {name}")
+                close = difflib.get_close_matches(key, sorted(own | theirs), n=1)
+                hint = f"did you mean '{close[0]}'?" if close else f"valid: {', '.join(sorted(own | theirs))}"
+                raise ConfigError(f"unknown config key '{key}'; {hint}")
+        config = from_dict(cls, {k: v for k, v in params.items() if k in own and k != "strategy_options"},
+                           what="config key")
+        config.strategy_options = options
+        return config.validated()
 
     @classmethod
     def from_file(cls, path) -> "TrainConfig":
@@ -100,31 +110,20 @@ class TrainConfig:
         return cls.from_dict(params)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Flat, as in config files: the strategy's options beside the config keys."""
+        flat = asdict(self)
+        return {**{k: v for k, v in flat.items() if k != "strategy_options"}, **flat["strategy_options"]}
 
-    @property
-    def resolved_merge_alpha(self) -> float:
-        if self.merge_alpha >= 0:
-            return self.merge_alpha
-        return 0.5 if self.overlap_steps > 0 else 0.0
-
-    @property
-    def checkpoint_every(self) -> int:
-        """Checkpoints are taken at outer-step boundaries, where every worker holds the global model."""
-        return self.sync_every if self.strategy != "ddp" else self.resolved_eval_every
-
-    @property
-    def resolved_eval_every(self) -> int:
-        if self.eval_every:
-            return self.eval_every
-        return self.sync_every if self.strategy != "ddp" else 50
+    def make_strategy(self):
+        """The strategy this config names, with its options (checked there)."""
+        from .strategies import make_strategy
+        return make_strategy(self.strategy, self.strategy_options)
 
     def validated(self) -> "TrainConfig":
         def need(ok, msg):
             if not ok:
                 raise ConfigError(msg)
         need(self.workers >= 1, f"workers must be >= 1 (got {self.workers}); pass --workers 1 or more")
-        need(self.sync_every >= 1, f"sync-every (H) must be >= 1 (got {self.sync_every}); pass --sync-every 1 or more")
         need(self.steps >= 1, f"steps must be >= 1 (got {self.steps})")
         need(self.batch_size >= 1, f"batch-size must be >= 1 (got {self.batch_size})")
         need(self.seq_len == 0 or self.seq_len >= 2, f"seq-len must be >= 2, or 0 for the model's context (got {self.seq_len})")
@@ -134,19 +133,6 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             need(0 <= getattr(self, name) < 1, f"{name} must be in [0, 1) (got {getattr(self, name)})")
         need(self.grad_clip >= 0, f"grad-clip must be >= 0, 0 disables it (got {self.grad_clip})")
-        need(self.outer_lr > 0, f"outer-lr must be > 0 (got {self.outer_lr})")
-        need(0 <= self.outer_momentum < 1, f"outer-momentum must be in [0, 1) (got {self.outer_momentum})")
         need(self.eval_every >= 0 and self.eval_batches >= 1, "eval-every must be >= 0 and eval-batches >= 1")
-        need(self.strategy in STRATEGIES, f"unknown strategy '{self.strategy}'; choose one of {', '.join(STRATEGIES)}")
-        from .codecs import CODECS  # here, not at the top: reading a config needs no MLX until now
-        need(self.compress in CODECS, f"unknown codec '{self.compress}'; choose one of {', '.join(CODECS)}")
-        need(self.fragments >= 1, f"fragments must be >= 1 (got {self.fragments})")
-        need(self.fragment_order in FRAGMENT_ORDERS,
-             f"unknown fragment-order '{self.fragment_order}'; choose one of {', '.join(FRAGMENT_ORDERS)}")
-        need(0 <= self.overlap_steps < self.sync_every,
-             f"overlap-steps must be in [0, H) = [0, {self.sync_every}) (got {self.overlap_steps})")
-        need(self.merge_alpha == -1 or 0 <= self.merge_alpha <= 1,
-             f"merge-alpha must be in [0, 1] (got {self.merge_alpha})")
-        need(self.strategy != "ddp" or (self.fragments == 1 and self.overlap_steps == 0 and not self.error_feedback),
-             "fragments, overlap-steps and error-feedback belong to diloco and fedavg, not ddp")
+        self.make_strategy()  # its options: names, types, ranges
         return self

@@ -24,7 +24,6 @@ from .data import EMBEDDED, FASHION_MNIST, ShardSampler, load_shard, prepare
 from .metrics import MetricsLog, human_bytes
 from .modelzoo import build_model, count_parameters, load_spec
 from .network import exchange_time, parse_link
-from .strategies import make_strategy
 from .workers import Workers
 
 
@@ -56,9 +55,7 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
     if spec.is_language_model != (config.data != FASHION_MNIST):
         raise ConfigError(f"model '{config.model}' does not fit data '{config.data}': "
                           "the cnn preset trains on fashion-mnist, language models on text")
-    if config.fragments > max(spec.num_blocks, 1):
-        raise ConfigError(f"{config.fragments} fragments but model '{config.model}' has {spec.num_blocks} blocks; "
-                          f"pass --fragments {max(spec.num_blocks, 1)} or fewer")
+    config.make_strategy().check_model(spec)
     if config.seq_len == 0:
         config = replace(config, seq_len=min(spec.context_length, DEFAULT_MAX_SEQ_LEN))
     if spec.is_language_model and config.seq_len > spec.context_length:
@@ -112,12 +109,18 @@ class Run:
         self.data = load_data(config, self.spec, log=log, shard_dir=place.shard_dir)
         model = build_model(self.spec, seed=config.seed)
         self.link = parse_link(config.link)
-        self.strategy = make_strategy(comm, config)
+        self.strategy = config.make_strategy().bind(comm, config.steps)
+        self.strategy.check_model(self.spec)
         self.strategy.setup(model.trainable_parameters())
+        # Evaluations every outer step of a periodic strategy (else every 50 steps); checkpoints too.
+        period = self.strategy.sync_every
+        self.eval_every = config.eval_every or period or 50
+        self.checkpoint_every = period or self.eval_every
         vectorize = config.vectorize and self.spec.vmappable
         if config.vectorize and not vectorize and comm.n_local > 1:
             log(f"model '{config.model}' cannot be vmapped in MLX; training its replicas one after another")
-        self.workers = Workers(model, comm.n_local, config, vectorize=vectorize)
+        self.workers = Workers(model, comm.n_local, config, self.strategy.inner_optimizer(config),
+                               clip=self.strategy.clip_gradients, vectorize=vectorize)
         data_workers = comm.local_workers if place.data_worker is None else [place.data_worker]
         self.samplers = [ShardSampler(len(self.data.train), w, place.num_shards or config.workers, config.seed,
                                       is_shard=self.data.is_shard) for w in data_workers]
@@ -160,7 +163,7 @@ class Run:
             self.step += 1
             self.compute_s += (dt - (self.comm.wait_s - wait0)) / self.comm.n_local  # DDP syncs inside the step
             loss_sum, loss_count = loss_sum + losses, loss_count + 1
-            evaluate = self.reporter and (self.step % c.resolved_eval_every == 0 or self.step == c.steps)
+            evaluate = self.reporter and (self.step % self.eval_every == 0 or self.step == c.steps)
             # The local models are evaluated before the outer step replaces them with the global one.
             worker_losses = self.workers.eval_each(self.eval_batches).tolist() if evaluate else None
             self.workers.params = self.strategy.after_step(self.workers.params, self.step)
@@ -173,7 +176,7 @@ class Run:
             if evaluate:
                 self.evaluate(loss_sum / loss_count, worker_losses)
                 loss_sum, loss_count = 0, 0
-            if self.step % c.checkpoint_every == 0 or self.step == c.steps:
+            if self.step % self.checkpoint_every == 0 or self.step == c.steps:
                 self.save_checkpoint()
             if stop_after is not None and self.step >= stop_after:
                 break
@@ -201,7 +204,7 @@ class Run:
                          "payload_bytes": r.payload_bytes, "sent_bytes": r.sent_bytes,
                          "overlap_steps": r.overlap_steps, "modelled_s": modelled, "exposed_s": exposed,
                          "blocked_s": r.blocked_s})
-        if self.reporter and self.config.strategy != "ddp":  # DDP's would be one row per step
+        if self.reporter and self.strategy.sync_every:  # not for strategies that exchange every step
             for row in rows:
                 self.exchanges.write(row)
 
@@ -216,7 +219,7 @@ class Run:
         global_loss = self.workers.eval_params(self.global_params(), self.eval_batches)
         modelled = self.compute_s + self.comm_s
         row = {
-            "step": self.step, "outer_step": -(-self.step // c.sync_every) if c.strategy != "ddp" else None,
+            "step": self.step, "outer_step": -(-self.step // period) if (period := self.strategy.sync_every) else None,
             "tokens": self.step * c.batch_size * c.seq_len * c.workers,
             "eval_loss": global_loss, "eval_loss_workers": worker_losses,
             "train_loss": None if train_losses is None else float(train_losses.mean().item()),
@@ -228,8 +231,8 @@ class Run:
             # on a real cluster: compute against the time actually spent waiting for exchanges
             "measured_utilisation": self.compute_s / (self.compute_s + self.comm.wait_s) if self.compute_s else 1.0,
             "wall_s": time.time() - self.wall_start,
-            "strategy": c.strategy, "workers": c.workers, "sync_every": c.sync_every, "link": self.link.name,
-            "compress": c.compress, "fragments": c.fragments, "overlap_steps": c.overlap_steps,
+            "strategy": c.strategy, "workers": c.workers, "sync_every": period, "link": self.link.name,
+            "strategy_options": self.strategy.options(),
         }
         self.metrics.write(row)
 

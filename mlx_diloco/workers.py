@@ -13,16 +13,6 @@ from mlx.utils import tree_flatten, tree_map
 from .comm import stack_copies
 
 
-def inner_optimizer(config) -> optim.AdamW:
-    """AdamW as PyTorch and the DiLoCo papers use it: bias correction, warmup then cosine."""
-    warmup = min(config.warmup, config.steps - 1)
-    cosine = optim.cosine_decay(config.lr, max(config.steps - warmup, 1), end=config.lr * 0.1)
-    schedule = optim.join_schedules([optim.linear_schedule(0.0, config.lr, warmup), cosine], [warmup]) \
-        if warmup > 0 else cosine
-    return optim.AdamW(learning_rate=schedule, betas=[config.beta1, config.beta2], eps=1e-8,
-                       weight_decay=config.weight_decay, bias_correction=True)
-
-
 def clip_per_worker(grads, max_norm: float):
     """Global-norm clipping, each replica on its own (grads carry the worker axis)."""
     # Summed in sorted path order: a tree read back from a checkpoint has its keys in another
@@ -34,10 +24,12 @@ def clip_per_worker(grads, max_norm: float):
 
 
 class Workers:
-    def __init__(self, model: nn.Module, n_local: int, config, vectorize: bool = True):
+    def __init__(self, model: nn.Module, n_local: int, config, optimizer: optim.Optimizer, clip: bool = True,
+                 vectorize: bool = True):
         self.model, self.config, self.n_local = model, config, n_local
+        self.clip = clip and config.grad_clip > 0
         self.params = stack_copies(model.trainable_parameters(), n_local)
-        self.optimizer = inner_optimizer(config)
+        self.optimizer = optimizer
         self.optimizer.init(self.params)
         grad_fn = mx.value_and_grad(self.loss)
         self._grads = mx.vmap(grad_fn) if vectorize else self._sequential(grad_fn)
@@ -63,7 +55,7 @@ class Workers:
     def _clip_and_update(self, params, grads, state):
         """Pure function of its inputs (for mx.compile): the optimizer state goes in and out."""
         self.optimizer.state = state
-        if self.config.grad_clip > 0:
+        if self.clip:
             grads = clip_per_worker(grads, self.config.grad_clip)
         params = self.optimizer.apply_gradients(grads, params)
         return params, self.optimizer.state

@@ -16,9 +16,12 @@ def token_cache(tmp_path_factory):
 
 def tiny_config(**overrides):
     """A config that trains in about a second: the tiny GPT on the embedded corpus."""
+    from dataclasses import fields
     from mlx_diloco.config import TrainConfig
-    params = dict(model="tiny", seq_len=16, batch_size=4, workers=2, steps=12, sync_every=4,
-                  warmup=2, eval_batches=2)
+    from mlx_diloco.strategies import strategy_class
+    params = dict(model="tiny", seq_len=16, batch_size=4, workers=2, steps=12, warmup=2, eval_batches=2)
+    if "sync_every" in {f.name for f in fields(strategy_class(overrides.get("strategy", "diloco")))}:
+        params["sync_every"] = 4
     params.update(overrides)
     return TrainConfig.from_dict(params)
 

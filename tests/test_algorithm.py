@@ -31,7 +31,7 @@ def test_outer_step_is_nesterov_formula(tmp_path):
     theta = flat(run.strategy.global_params(None))
     v = {k: np.zeros_like(p) for k, p in theta.items()}
     for _ in range(3):
-        for _ in range(run.config.sync_every):
+        for _ in range(run.strategy.sync_every):
             run.step += 1
             run.workers.step(*run.next_batch(), run.strategy, run.step)
         local = flat(run.workers.params)

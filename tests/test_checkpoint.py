@@ -19,7 +19,7 @@ def final_params(run):
 
 @pytest.mark.parametrize("strategy", ["diloco", "ddp"])
 def test_resume_matches_uninterrupted(tmp_path, strategy):
-    config = tiny_config(strategy=strategy, steps=12, sync_every=4, eval_every=4)
+    config = tiny_config(strategy=strategy, steps=12, eval_every=4)  # H = 4 where the strategy has one
     straight = Run(config, tmp_path / "straight", SimCommunicator(2), log=lambda m: None)
     straight.train()
 

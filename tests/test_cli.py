@@ -6,8 +6,9 @@ import pytest
 
 from conftest import run_cli
 
-TINY = ["--model", "tiny", "--seq-len", "16", "--batch-size", "4", "--workers", "2", "--steps", "8",
-        "--sync-every", "4", "--eval-batches", "2"]
+COMMON = ["--model", "tiny", "--seq-len", "16", "--batch-size", "4", "--workers", "2", "--steps", "8",
+          "--eval-batches", "2"]
+TINY = COMMON + ["--sync-every", "4"]
 
 
 def test_sim_plot_generate(tmp_path):
@@ -19,7 +20,7 @@ def test_sim_plot_generate(tmp_path):
     assert rows[-1]["bytes_sent_per_worker"] > 0 and 0 < rows[-1]["utilisation"] <= 1
     # local models are evaluated before the outer step: they differ, having read different shards
     assert len(set(rows[-1]["eval_loss_workers"])) == 2
-    assert run_cli("sim", *TINY, "--strategy", "ddp", "--run-dir", tmp_path / "b", "--sample-tokens", "0").returncode == 0
+    assert run_cli("sim", *COMMON, "--strategy", "ddp", "--run-dir", tmp_path / "b", "--sample-tokens", "0").returncode == 0
 
     png = tmp_path / "loss.png"
     assert run_cli("plot", tmp_path / "a", tmp_path / "b", "--out", png).returncode == 0
@@ -44,6 +45,7 @@ def test_export_llama_loads_in_mlx_lm(tmp_path):
     (["--sync-every", "0"], "sync-every (H) must be >= 1"),
     (["--workers", "0"], "workers must be >= 1"),
     (["--strategy", "magic"], "unknown strategy 'magic'"),
+    (["--strategy", "ddp"], "'sync_every' is an option of diloco"),  # never silently ignored
 ])
 def test_bad_input_one_clear_line(tmp_path, args, message):
     out = run_cli("sim", *TINY, *args, "--run-dir", tmp_path / "r")

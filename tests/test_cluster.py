@@ -197,7 +197,7 @@ def test_killed_launcher_resumes_the_job(cluster, tmp_path, worker_dies_too):
     _, sim_loss = sim_global(config, tmp_path)
     assert_final_loss(run_dir, sim_loss, rel=2e-3)
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(0, config.steps + 1, config.sync_every))
+    assert [r["step"] for r in rows] == list(range(0, config.steps + 1, config.strategy_options["sync_every"]))
 
 
 def test_lost_machine_waited_for_rejoins_the_job(cluster, tmp_path):

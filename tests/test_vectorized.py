@@ -9,7 +9,7 @@ from conftest import tiny_config
 from mlx_diloco.comm import SimCommunicator
 from mlx_diloco.modelzoo import build_model, load_spec
 from mlx_diloco.train import Run
-from mlx_diloco.workers import inner_optimizer
+from mlx_diloco.strategies.base import default_inner_optimizer
 
 
 def test_vmapped_workers_match_separate_models(tmp_path):
@@ -22,7 +22,7 @@ def test_vmapped_workers_match_separate_models(tmp_path):
     # The same 3 replicas, each a plain model with its own AdamW, trained one by one.
     for w in range(3):
         model = build_model(load_spec("tiny"), seed=config.seed)
-        opt = inner_optimizer(config)
+        opt = default_inner_optimizer(config)
         loss_and_grad = nn.value_and_grad(model, lambda m, x, y: nn.losses.cross_entropy(m(x), y, reduction="mean"))
         for x, y in batches:
             _, grads = loss_and_grad(model, x[w], y[w])

@@ -1,0 +1,119 @@
+"""The strategy interface: what every low-communication algorithm implements, once, for the
+simulator and the real cluster alike.
+
+A strategy is a dataclass whose fields are its options (`DiLoCo(sync_every=100, outer_lr=0.7)`):
+each value is type-checked on construction, `check()` adds the ranges, and a misspelled option is
+an error with a did-you-mean hint. The run then binds it to a communicator (`bind`) and calls its
+hooks around every inner step:
+
+    inner_optimizer(config)        the optimizer of the inner steps (default: AdamW from the config)
+    setup(params)                  once, with the shared initial parameters (no worker axis)
+    reduce_gradients(grads, step)  before the inner update (DDP averages here)
+    after_step(params, step)       after it (DiLoCo's outer step happens here every H steps)
+    global_params(params)          the model to evaluate and export (no worker axis)
+    state() / load_state(state)    what a checkpoint holds beside the workers' parameters
+
+Parameters and gradients carry a leading local-worker axis (see comm.py). `step` is the job-wide
+inner step counter, which every worker agrees on, so a sync schedule can never drift.
+"""
+
+import difflib
+from dataclasses import asdict, fields
+
+import mlx.optimizers as optim
+from mlx.utils import tree_map
+
+from ..config import ConfigError, checked_value
+
+
+def option(default, help: str, **kwargs):
+    """A strategy option: its default and the one line that `--help` shows."""
+    from dataclasses import field
+    return field(default=default, metadata={"help": help}, **kwargs)
+
+
+def lr_schedule(config, peak: float = None):
+    """Linear warmup to `peak` (default: the config's lr), then cosine decay to a tenth of it."""
+    peak = config.lr if peak is None else peak
+    warmup = min(config.warmup, config.steps - 1)
+    cosine = optim.cosine_decay(peak, max(config.steps - warmup, 1), end=peak * 0.1)
+    return optim.join_schedules([optim.linear_schedule(0.0, peak, warmup), cosine], [warmup]) \
+        if warmup > 0 else cosine
+
+
+def default_inner_optimizer(config) -> optim.AdamW:
+    """AdamW as PyTorch and the DiLoCo papers use it: bias correction, warmup then cosine."""
+    return optim.AdamW(learning_rate=lr_schedule(config), betas=[config.beta1, config.beta2], eps=1e-8,
+                       weight_decay=config.weight_decay, bias_correction=True)
+
+
+class Strategy:
+    name = "base"
+    clip_gradients = True  # the run clips each worker's gradients (grad-clip) before the inner update
+
+    def __new__(cls, *args, **options):
+        names = [f.name for f in fields(cls)] if hasattr(cls, "__dataclass_fields__") else []
+        for key in options:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=1)
+                hint = f"did you mean '{close[0]}'?" if close else f"its options: {', '.join(names) or 'none'}"
+                raise ConfigError(f"strategy {cls.name} has no option '{key}'; {hint}")
+        return super().__new__(cls)
+
+    def __post_init__(self):
+        for f in fields(self):
+            setattr(self, f.name, checked_value(f.name, getattr(self, f.name), f.type))
+        self.check()
+
+    def check(self):
+        """Raise ConfigError for option values out of range."""
+
+    def options(self) -> dict:
+        return asdict(self) if hasattr(self, "__dataclass_fields__") else {}
+
+    @property
+    def sync_every(self) -> int:
+        """Inner steps between the strategy's periodic syncs (0: it has none)."""
+        return 0
+
+    def require(self, ok: bool, message: str):
+        if not ok:
+            raise ConfigError(f"{self.name}: {message}")
+
+    # ---- the run
+    def bind(self, comm, steps: int):
+        """The communicator, and the run's step count (a run always ends synced)."""
+        self.comm, self.steps = comm, steps
+        return self
+
+    def check_model(self, spec):
+        """Refuse a model the options do not fit, before any data is read (spec: modelzoo.ModelSpec)."""
+
+    def inner_optimizer(self, config) -> optim.Optimizer:
+        return default_inner_optimizer(config)
+
+    def setup(self, params):
+        pass
+
+    def reduce_gradients(self, grads, step: int):
+        return grads
+
+    def after_step(self, params, step: int):
+        return params
+
+    def global_params(self, params):
+        return tree_map(lambda p: p[0], params)
+
+    def state(self) -> dict:
+        return {}
+
+    def load_state(self, state: dict):
+        pass
+
+
+def mean_gradients(comm, grads, codec: str):
+    """Data-parallel averaging of (n_local, ...) gradients; every local worker gets the mean."""
+    if comm.num_workers == 1:
+        return grads
+    return comm.broadcast_local(comm.all_mean(grads, codec, tag="gradients"))
+

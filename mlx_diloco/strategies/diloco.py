@@ -1,0 +1,128 @@
+"""DiLoCo (arXiv 2311.08105), its streaming form (arXiv 2501.18512), and FedAvg.
+
+Every H steps each fragment of the model takes an outer Nesterov step on the workers' mean
+pseudo-gradient  delta = global - local. With one fragment, no overlap and no merge this is
+DiLoCo; with P fragments their syncs are spread evenly over H (fragment p at offset H(p+1)/P
+mod H), each exchange is applied tau inner steps after it starts, and the result is merged into
+the local models with weight alpha on the local values (fragments.py holds the mechanics).
+`ddp_warmup_steps` K trains data-parallel first, as the DiLoCo paper's main runs start from a
+pre-trained model; the outer schedule then counts from K.
+"""
+
+from dataclasses import dataclass
+
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..codecs import get_codec
+from ..fragments import Fragment, gather, global_tree, partition
+from .base import Strategy, mean_gradients, option
+
+
+@dataclass
+class DiLoCo(Strategy):
+    name = "diloco"
+    sync_every: int = option(50, "H: inner steps between a fragment's outer steps")
+    outer_lr: float = option(0.7, "outer SGD learning rate")
+    outer_momentum: float = option(0.9, "outer Nesterov momentum (0: plain SGD)")
+    compress: str = option("fp16", "codec of the pseudo-gradients (scales counted in the bytes)")
+    error_feedback: bool = option(False, "add what compression lost to the next pseudo-gradient")
+    fragments: int = option(1, "P: fragments of the model, each synced every H steps at its own offset")
+    fragment_order: str = option("strided", "strided (block l in fragment l mod P) or sequential")
+    overlap_steps: int = option(0, "tau: inner steps an exchange runs beside compute before it lands")
+    merge_alpha: float = option(-1.0, "weight of the local values when a result lands (-1: 0.5 with overlap, else 0)")
+    ddp_warmup_steps: int = option(0, "K: train data-parallel for the first K steps, then DiLoCo")
+
+    def check(self):
+        get_codec(self.compress)
+        self.require(self.sync_every >= 1, f"sync-every (H) must be >= 1 (got {self.sync_every})")
+        self.require(self.outer_lr > 0, f"outer-lr must be > 0 (got {self.outer_lr})")
+        self.require(0 <= self.outer_momentum < 1, f"outer-momentum must be in [0, 1) (got {self.outer_momentum})")
+        self.require(self.fragments >= 1, f"fragments must be >= 1 (got {self.fragments})")
+        self.require(self.fragment_order in ("strided", "sequential"),
+                     f"fragment-order must be strided or sequential (got '{self.fragment_order}')")
+        self.require(0 <= self.overlap_steps < self.sync_every,
+                     f"overlap-steps must be in [0, H) = [0, {self.sync_every}) (got {self.overlap_steps})")
+        self.require(self.merge_alpha == -1 or 0 <= self.merge_alpha <= 1,
+                     f"merge-alpha must be in [0, 1] (got {self.merge_alpha})")
+        self.require(self.ddp_warmup_steps >= 0, f"ddp-warmup-steps must be >= 0 (got {self.ddp_warmup_steps})")
+
+    def check_model(self, spec):
+        from ..config import ConfigError
+        if self.fragments > max(spec.num_blocks, 1):
+            raise ConfigError(f"{self.fragments} fragments but model '{spec.name}' has {spec.num_blocks} blocks; "
+                              f"pass --fragments {max(spec.num_blocks, 1)} or fewer")
+
+    @property
+    def alpha(self) -> float:
+        if self.merge_alpha >= 0:
+            return self.merge_alpha
+        return 0.5 if self.overlap_steps > 0 else 0.0
+
+    def outer_optimizer(self):
+        return optim.SGD(learning_rate=self.outer_lr, momentum=self.outer_momentum,
+                         nesterov=self.outer_momentum > 0)
+
+    def setup(self, params):
+        P, H = self.fragments, self.sync_every
+        self.template = params
+        flat = {k: v[None] for k, v in tree_flatten(params)}
+        self.parts = [  # one Fragment (its global values, outer state, exchange) per part of the model
+            Fragment(p, pieces, gather(flat, pieces)[0], self.outer_optimizer(), H, offset=H * (p + 1) // P % H,
+                     delay=self.overlap_steps, alpha=self.alpha, codec=get_codec(self.compress),
+                     error_feedback=self.error_feedback, n_local=self.comm.n_local)
+            for p, pieces in enumerate(partition(params, P, self.fragment_order))]
+
+    def reduce_gradients(self, grads, step):
+        if step <= self.ddp_warmup_steps:
+            return mean_gradients(self.comm, grads, self.compress)
+        return grads
+
+    def after_step(self, params, step):
+        K = self.ddp_warmup_steps
+        if step <= K:  # data parallel: the replicas are equal, and at the end of it the global model
+            if step == K or step == self.steps:
+                flat = {k: v[:1] for k, v in tree_flatten(params)}
+                for f in self.parts:
+                    f.global_values = gather(flat, f.pieces)[0]
+            return params
+        flat = dict(tree_flatten(params))
+        if step == self.steps:  # the end: land what is in flight, then sync every fragment now
+            for f in self.parts:
+                if f.pending is not None:
+                    flat = f.perform_sync(flat)
+                f.prepare_sync(flat, self.comm, step)
+                flat = f.perform_sync(flat, final=True)
+        else:
+            for f in self.parts:   # every worker starts the fragments' exchanges in the same order
+                if f.is_send_step(step - K):
+                    f.prepare_sync(flat, self.comm, step)
+            for f in self.parts:
+                if f.pending is not None and f.apply_at == step:
+                    flat = f.perform_sync(flat)
+        return tree_unflatten(list(flat.items()))
+
+    def global_params(self, params):
+        return global_tree(self.template, self.parts)
+
+    def state(self):
+        return {"global": self.global_params(None), "fragments": [f.state() for f in self.parts]}
+
+    def load_state(self, state):
+        flat = {k: v[None] for k, v in tree_flatten(state["global"])}
+        for f in self.parts:
+            f.global_values = gather(flat, f.pieces)[0]
+            f.load_state(state["fragments"][f.index], self.comm)
+
+
+@dataclass
+class FedAvg(DiLoCo):
+    """FedAvg / Local SGD: the global model becomes the workers' mean (outer lr 1, no momentum)."""
+    name = "fedavg"
+    outer_lr: float = option(1.0, "outer learning rate: 1 (the global model is the workers' mean)")
+    outer_momentum: float = option(0.0, "outer momentum: 0")
+
+    def check(self):
+        super().check()
+        self.require(self.outer_lr == 1 and self.outer_momentum == 0,
+                     "FedAvg is DiLoCo with outer lr 1 and no momentum; for other values use diloco")

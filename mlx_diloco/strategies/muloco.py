@@ -1,0 +1,57 @@
+"""MuLoCo (arXiv 2505.23725): DiLoCo whose inner steps use Muon for the transformer blocks' weight
+matrices and AdamW for the rest (embeddings, head, norms, biases)."""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.optimizers as optim
+
+from ..fragments import BLOCK
+from .base import default_inner_optimizer, lr_schedule, option
+from .diloco import DiLoCo
+
+
+class ReplicaMuon(optim.Muon):
+    """Muon on parameters stacked on a leading replica axis: each replica's matrix is
+    orthogonalized on its own (mlx's Muon would flatten the stack into one matrix)."""
+
+    def _zeropower_via_newtonschulz5(self, X, steps: int):
+        a, b, c = 3.4445, -4.7750, 2.0315   # Keller Jordan's quintic coefficients
+        tall = X.shape[-2] > X.shape[-1]
+        if tall:
+            X = X.swapaxes(-1, -2)
+        X = X / (mx.linalg.norm(X, axis=(-2, -1), keepdims=True) + 1e-7)
+        for _ in range(steps):
+            A = X @ X.swapaxes(-1, -2)
+            X = a * X + (b * A + c * (A @ A)) @ X
+        return X.swapaxes(-1, -2) if tall else X
+
+    def apply_single(self, gradient, parameter, state):
+        if self.weight_decay != 0:
+            gradient = gradient + self.weight_decay * parameter
+        state["v"] = self.momentum * state["v"] + (1 - self.momentum) * gradient
+        update = gradient * (1 - self.momentum) + state["v"] * self.momentum if self.nesterov else state["v"]
+        update = self._zeropower_via_newtonschulz5(update, self.ns_steps)
+        scale = max(1, update.shape[-2] / update.shape[-1]) ** 0.5
+        return parameter - self.learning_rate.astype(gradient.dtype) * scale * update
+
+
+def is_block_matrix(path: str, parameter) -> bool:
+    """A 2-D weight of a transformer block (3-D here: the replica axis comes first)."""
+    return parameter.ndim == 3 and path.endswith("weight") and BLOCK.search(path) is not None
+
+
+@dataclass
+class MuLoCo(DiLoCo):
+    name = "muloco"
+    muon_lr: float = option(0.02, "peak learning rate of Muon (AdamW keeps --lr)")
+    muon_momentum: float = option(0.95, "Muon's momentum")
+
+    def check(self):
+        super().check()
+        self.require(self.muon_lr > 0, f"muon-lr must be > 0 (got {self.muon_lr})")
+
+    def inner_optimizer(self, config):
+        muon = ReplicaMuon(lr_schedule(config, self.muon_lr), momentum=self.muon_momentum,
+                           weight_decay=config.weight_decay)
+        return optim.MultiOptimizer([muon, default_inner_optimizer(config)], [is_block_matrix])
