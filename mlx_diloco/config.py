@@ -120,6 +120,12 @@ class TrainConfig:
         return make_strategy(self.strategy, self.strategy_options)
 
     def validated(self) -> "TrainConfig":
+        self.check_values()
+        self.make_strategy()  # its options: names, types, ranges
+        return self
+
+    def check_values(self):
+        """Ranges of the config's own values (the strategy checks its options)."""
         def need(ok, msg):
             if not ok:
                 raise ConfigError(msg)
@@ -134,5 +140,3 @@ class TrainConfig:
             need(0 <= getattr(self, name) < 1, f"{name} must be in [0, 1) (got {getattr(self, name)})")
         need(self.grad_clip >= 0, f"grad-clip must be >= 0, 0 disables it (got {self.grad_clip})")
         need(self.eval_every >= 0 and self.eval_batches >= 1, "eval-every must be >= 0 and eval-batches >= 1")
-        self.make_strategy()  # its options: names, types, ranges
-        return self

@@ -159,16 +159,48 @@ class WindowExamples(TokenExamples):
         return self._windows[np.asarray(indices, dtype=np.int64)]
 
 
-class ImageExamples:
-    def __init__(self, images: np.ndarray, labels: np.ndarray):
-        self.images, self.labels = images, labels
+class ArrayExamples:
+    """Examples given as arrays of inputs and targets, split along the first axis."""
+
+    def __init__(self, inputs: np.ndarray, targets: np.ndarray):
+        if len(inputs) != len(targets):
+            raise ConfigError(f"{len(inputs)} inputs but {len(targets)} targets; give one target per input")
+        self.inputs, self.targets = inputs, targets
 
     def __len__(self):
-        return len(self.labels)
+        return len(self.targets)
 
     def get(self, indices):
         idx = np.asarray(indices)
-        return self.images[idx], self.labels[idx].astype(np.int32)
+        return self.inputs[idx], self.targets[idx]
+
+
+class BatchStream:
+    """Training batches given one by one (an iterable of (x, y)): at each step, worker w of N
+    takes the w-th of the next N batches. The cursor is the number of steps taken; a resumed run
+    iterates again from the start and skips them, so an exact resume needs a re-iterable (a list)."""
+
+    def __init__(self, batches):
+        self.batches, self.steps, self._it = batches, 0, None
+
+    def next(self, workers: list, num_workers: int) -> list:
+        if self._it is None:
+            self._it = iter(self.batches)
+            for _ in range(self.steps * num_workers):
+                next(self._it)
+        try:
+            taken = [next(self._it) for _ in range(num_workers)]
+        except StopIteration:
+            raise ConfigError(f"the training batches ran out after {self.steps} steps of {num_workers} workers; "
+                              "give more batches or fewer steps") from None
+        self.steps += 1
+        return [tuple(np.asarray(a) for a in taken[w]) for w in workers]
+
+    def state(self) -> dict:
+        return {"steps": self.steps}
+
+    def load_state(self, state: dict):
+        self.steps, self._it = int(state["steps"]), None
 
 
 class Dataset:
@@ -239,8 +271,8 @@ def prepare_fashion_mnist(folder: Path = FASHION_MNIST_DIR) -> Dataset:
                           "(Debian/Ubuntu: sudo apt-get install dataset-fashion-mnist)")
     def split(prefix):
         images = _read_idx(folder / f"{prefix}-images-idx3-ubyte.gz").astype(np.float32) / 255.0
-        labels = _read_idx(folder / f"{prefix}-labels-idx1-ubyte.gz")
-        return ImageExamples(images[..., None], labels)
+        labels = _read_idx(folder / f"{prefix}-labels-idx1-ubyte.gz").astype(np.int32)
+        return ArrayExamples(images[..., None], labels)
     return Dataset(split("train"), split("t10k"))
 
 

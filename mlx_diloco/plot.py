@@ -12,7 +12,7 @@ AXES = [("step", "inner steps"), ("tokens", "tokens (all workers)"), ("modelled_
 def run_label(rows, path) -> str:
     r = rows[-1]
     label = f"{r['strategy']} x{r['workers']}"
-    if r["strategy"] != "ddp":
+    if r.get("sync_every"):
         label += f" H={r['sync_every']}"
     return f"{label} ({Path(path).name})"
 

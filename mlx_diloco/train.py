@@ -20,7 +20,7 @@ from . import checkpoint
 from .comm import Communicator
 from .config import DEFAULT_MAX_SEQ_LEN, ConfigError, TrainConfig
 from .atomic import atomic_write_text
-from .data import EMBEDDED, FASHION_MNIST, ShardSampler, load_shard, prepare
+from .data import EMBEDDED, FASHION_MNIST, BatchStream, ShardSampler, load_shard, prepare
 from .metrics import MetricsLog, human_bytes
 from .modelzoo import build_model, count_parameters, load_spec
 from .network import exchange_time, parse_link
@@ -56,7 +56,7 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
         raise ConfigError(f"model '{config.model}' does not fit data '{config.data}': "
                           "the cnn preset trains on fashion-mnist, language models on text")
     config.make_strategy().check_model(spec)
-    if config.seq_len == 0:
+    if config.seq_len == 0 and spec.is_language_model:
         config = replace(config, seq_len=min(spec.context_length, DEFAULT_MAX_SEQ_LEN))
     if spec.is_language_model and config.seq_len > spec.context_length:
         raise ConfigError(f"seq-len {config.seq_len} exceeds model '{config.model}' context "
@@ -78,6 +78,27 @@ def load_data(config: TrainConfig, spec, log=print, shard_dir=None):
 
 
 @dataclass
+class Parts:
+    """What a run trains, when the caller builds it (the Python API) rather than the config."""
+    model: object                 # an mlx.nn.Module
+    data: object                  # a data.Dataset: train and held-out examples
+    strategy: object              # a strategies.Strategy
+    loss: object = None           # loss(model, x, y) -> scalar; default: cross-entropy on model(x)
+    vectorize: object = "auto"    # True, False, or "auto": vmap the replicas if the model allows it
+    spec: object = None           # a modelzoo.ModelSpec, for runs of presets (checkpoints record it)
+
+
+def parts_from_config(config: TrainConfig, log=print, shard_dir=None) -> Parts:
+    """The model, data and strategy a config names (the CLI, the cluster worker)."""
+    spec = load_spec(config.model)
+    strategy = config.make_strategy()
+    strategy.check_model(spec)
+    data = load_data(config, spec, log=log, shard_dir=shard_dir)
+    return Parts(build_model(spec, seed=config.seed), data, strategy, vectorize=config.vectorize and spec.vmappable,
+                 spec=spec)
+
+
+@dataclass
 class Placement:
     """Where a cluster worker's pieces are, when they differ from the simulator's defaults."""
     shard_dir: str = None          # a shard shipped by the launcher (default: read config.data)
@@ -92,7 +113,7 @@ class Run:
     """One training run in this process, over the workers `comm` says it hosts."""
 
     def __init__(self, config: TrainConfig, run_dir, comm: Communicator, reporter: bool = True,
-                 resume: bool = False, log=print, place: Placement = None):
+                 resume: bool = False, log=print, place: Placement = None, parts: Parts = None):
         self.run_dir, self.comm, self.reporter, self.log = Path(run_dir), comm, reporter, log
         self.place = place = place or Placement()
         # Each process checkpoints the workers it hosts; rank 0 (or the simulator) in the run folder.
@@ -102,28 +123,28 @@ class Run:
             config = config or saved_config(self.checkpoint_dir)
         elif reporter:
             check_new_run_dir(self.run_dir)
-        self.config = config = resolve_config(config)
+        self.config = config = resolve_config(config) if parts is None else config
         if comm.num_workers != config.workers:
             raise ConfigError(f"the job has {comm.num_workers} workers but the config says {config.workers}")
-        self.spec = load_spec(config.model)
-        self.data = load_data(config, self.spec, log=log, shard_dir=place.shard_dir)
-        model = build_model(self.spec, seed=config.seed)
+        parts = parts or parts_from_config(config, log, place.shard_dir)
+        self.spec, self.data, model = parts.spec, parts.data, parts.model
         self.link = parse_link(config.link)
-        self.strategy = config.make_strategy().bind(comm, config.steps)
-        self.strategy.check_model(self.spec)
+        self.strategy = parts.strategy.bind(comm, config.steps)
         self.strategy.setup(model.trainable_parameters())
         # Evaluations every outer step of a periodic strategy (else every 50 steps); checkpoints too.
         period = self.strategy.sync_every
         self.eval_every = config.eval_every or period or 50
         self.checkpoint_every = period or self.eval_every
-        vectorize = config.vectorize and self.spec.vmappable
-        if config.vectorize and not vectorize and comm.n_local > 1:
+        if config.vectorize and parts.vectorize is False and comm.n_local > 1:
             log(f"model '{config.model}' cannot be vmapped in MLX; training its replicas one after another")
         self.workers = Workers(model, comm.n_local, config, self.strategy.inner_optimizer(config),
-                               clip=self.strategy.clip_gradients, vectorize=vectorize)
-        data_workers = comm.local_workers if place.data_worker is None else [place.data_worker]
-        self.samplers = [ShardSampler(len(self.data.train), w, place.num_shards or config.workers, config.seed,
-                                      is_shard=self.data.is_shard) for w in data_workers]
+                               clip=self.strategy.clip_gradients, vectorize=parts.vectorize, loss=parts.loss, log=log)
+        self.data_workers = comm.local_workers if place.data_worker is None else [place.data_worker]
+        if isinstance(self.data.train, BatchStream):  # batches given one by one: the stream is the cursor
+            self.samplers = [self.data.train]
+        else:
+            self.samplers = [ShardSampler(len(self.data.train), w, place.num_shards or config.workers, config.seed,
+                                          is_shard=self.data.is_shard) for w in self.data_workers]
         self.eval_batches = self.data.eval_batches(config.batch_size, config.eval_batches)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.exchanges = MetricsLog(self.run_dir / "exchanges.jsonl")
@@ -132,6 +153,7 @@ class Run:
         self.comm_s = 0.0        # modelled exchange time on the configured link
         self.bytes_sent = 0      # by one worker
         self.peak_exchange_bytes = 0  # the largest single exchange (bytes one worker sends)
+        self.exchange_log = []   # (hops, bytes sent, overlap steps) of every exchange: its time on any link
         self.wall_start = time.time()
         self.n_params = count_parameters(model)
         if resume:
@@ -144,7 +166,10 @@ class Run:
 
     # ------------------------------------------------------------ the loop
     def next_batch(self):
-        xs, ys = zip(*(self.data.train.get(s.next_indices(self.config.batch_size)) for s in self.samplers))
+        if isinstance(self.data.train, BatchStream):
+            xs, ys = zip(*self.data.train.next(self.data_workers, self.config.workers))
+        else:
+            xs, ys = zip(*(self.data.train.get(s.next_indices(self.config.batch_size)) for s in self.samplers))
         return mx.array(np.stack(xs)), mx.array(np.stack(ys))
 
     def train(self, stop_after: int = None) -> dict:
@@ -154,7 +179,7 @@ class Run:
             self.evaluate(None, self.workers.eval_each(self.eval_batches).tolist())
         bar = tqdm(total=c.steps, initial=self.step, disable=not self.reporter, file=sys.stderr,
                    desc=f"{c.strategy} x{c.workers}", dynamic_ncols=True)
-        loss_sum, loss_count, tokens_per_step = 0, 0, c.batch_size * c.seq_len * self.comm.n_local
+        loss_sum, loss_count, tokens_per_step = 0, 0, c.batch_size * max(c.seq_len, 1) * self.comm.n_local
         while self.step < c.steps:
             x, y = self.next_batch()
             t0, wait0 = time.perf_counter(), self.comm.wait_s
@@ -198,6 +223,7 @@ class Run:
             modelled = exchange_time(r.hops, r.sent_bytes, self.link)
             exposed = max(0.0, modelled - r.overlap_steps * step_s)
             self.bytes_sent += r.sent_bytes
+            self.exchange_log.append((r.hops, r.sent_bytes, r.overlap_steps))
             self.peak_exchange_bytes = max(self.peak_exchange_bytes, r.sent_bytes)
             self.comm_s += exposed
             rows.append({"step": self.step, "what": r.tag, "codec": r.codec, "algorithm": r.algorithm,
@@ -220,7 +246,7 @@ class Run:
         modelled = self.compute_s + self.comm_s
         row = {
             "step": self.step, "outer_step": -(-self.step // period) if (period := self.strategy.sync_every) else None,
-            "tokens": self.step * c.batch_size * c.seq_len * c.workers,
+            "tokens": self.step * c.batch_size * max(c.seq_len, 1) * c.workers,  # examples for non-text data
             "eval_loss": global_loss, "eval_loss_workers": worker_losses,
             "train_loss": None if train_losses is None else float(train_losses.mean().item()),
             "train_loss_workers": None if train_losses is None else train_losses.tolist(),
@@ -256,8 +282,8 @@ class Run:
                   "strategy": self.strategy.state()}
         meta = {"config": self.config.to_dict(), "cursors": [s.state() for s in self.samplers],
                 "compute_s": self.compute_s, "comm_s": self.comm_s, "bytes_sent": self.bytes_sent,
-                "peak_exchange_bytes": self.peak_exchange_bytes,
-                "model_preset": self.spec.params, "vocab_size": self.data.vocab_size}
+                "peak_exchange_bytes": self.peak_exchange_bytes, "exchange_log": self.exchange_log,
+                "model_preset": self.spec.params if self.spec else None, "vocab_size": self.data.vocab_size}
         checkpoint.save(self.checkpoint_dir, self.step, arrays, meta)
 
     def _restore(self):
@@ -270,6 +296,7 @@ class Run:
             sampler.load_state(cursor)
         self.compute_s, self.comm_s, self.bytes_sent = meta["compute_s"], meta["comm_s"], meta["bytes_sent"]
         self.peak_exchange_bytes = meta.get("peak_exchange_bytes", 0)
+        self.exchange_log = [tuple(e) for e in meta.get("exchange_log", [])]
         self.metrics.truncate_after(self.step)
         self.exchanges.truncate_after(self.step)
         self.log(f"resumed {self.run_dir} at step {self.step}")

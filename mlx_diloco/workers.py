@@ -23,25 +23,34 @@ def clip_per_worker(grads, max_norm: float):
     return tree_map(lambda g: g * scale.reshape((-1,) + (1,) * (g.ndim - 1)).astype(g.dtype), grads)
 
 
+def cross_entropy(model, x, y):
+    """The default loss: mean cross-entropy of the model's logits (language models, classifiers)."""
+    return nn.losses.cross_entropy(model(x).astype(mx.float32), y, reduction="mean")
+
+
 class Workers:
+    """`vectorize`: True (vmap), False (one replica after another) or "auto" (vmap, unless the
+    model's first step shows that MLX cannot vmap it: then say so once and go one by one)."""
+
     def __init__(self, model: nn.Module, n_local: int, config, optimizer: optim.Optimizer, clip: bool = True,
-                 vectorize: bool = True):
-        self.model, self.config, self.n_local = model, config, n_local
+                 vectorize=True, loss=None, log=print):
+        self.model, self.config, self.n_local, self.log = model, config, n_local, log
+        self.loss_fn = loss or cross_entropy
         self.clip = clip and config.grad_clip > 0
         self.params = stack_copies(model.trainable_parameters(), n_local)
         self.optimizer = optimizer
         self.optimizer.init(self.params)
-        grad_fn = mx.value_and_grad(self.loss)
-        self._grads = mx.vmap(grad_fn) if vectorize else self._sequential(grad_fn)
-        self._eval_each = mx.vmap(self.loss, in_axes=(0, None, None))
+        self._grad_fn = mx.value_and_grad(self.loss)
+        self._grads = mx.vmap(self._grad_fn) if vectorize else self._sequential(self._grad_fn)
+        self._eval_each = mx.vmap(self.loss, in_axes=(0, None, None)) if vectorize else self._eval_one_by_one
+        self._probe = vectorize == "auto"
         # One fused kernel per parameter instead of ~15 elementwise passes: the N-fold
         # optimizer work is most of what simulating N workers costs over one big batch.
         self._update = mx.compile(self._clip_and_update)
 
     def loss(self, params, x, y):
         self.model.update(params)
-        logits = self.model(x)
-        return nn.losses.cross_entropy(logits.astype(mx.float32), y, reduction="mean")
+        return self.loss_fn(self.model, x, y)
 
     def _sequential(self, grad_fn):
         """The same computation without vmap: one replica after another."""
@@ -51,6 +60,23 @@ class Workers:
             grads = tree_map(lambda *gs: mx.stack(gs), *[g for _, g in outs])
             return losses, grads
         return run
+
+    def _eval_one_by_one(self, params, x, y):
+        return mx.stack([self.loss(tree_map(lambda p: p[i], params), x, y) for i in range(self.n_local)])
+
+    def _gradients(self, x, y):
+        if not self._probe:
+            return self._grads(self.params, x, y)
+        self._probe = False
+        try:
+            out = self._grads(self.params, x, y)
+            mx.eval(out)
+            return out
+        except (ValueError, RuntimeError) as e:  # e.g. "not implemented for AsStrided" (conv2d's gradient)
+            self.log(f"this model cannot be vmapped in MLX ({str(e).splitlines()[0][:80]}); "
+                     "training its replicas one after another")
+            self._grads, self._eval_each = self._sequential(self._grad_fn), self._eval_one_by_one
+            return self._grads(self.params, x, y)
 
     def _clip_and_update(self, params, grads, state):
         """Pure function of its inputs (for mx.compile): the optimizer state goes in and out."""
@@ -63,7 +89,7 @@ class Workers:
     def step(self, x, y, strategy, step: int) -> mx.array:
         """One inner step of every local replica; `step` is the job-wide step number (1-based).
         The strategy's after_step (the outer step) is left to the caller."""
-        losses, grads = self._grads(self.params, x, y)
+        losses, grads = self._gradients(x, y)
         grads = strategy.reduce_gradients(grads, step)
         self.params, self.optimizer.state = self._update(self.params, grads, self.optimizer.state)
         mx.eval(self.params, self.optimizer.state, losses)

@@ -1,0 +1,107 @@
+"""The Python API (issue 10): any MLX model, loss and data, any strategy, in a few lines."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlx_diloco import DDP, SPARTA, DiLoCo, Trainer
+from mlx_diloco.config import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 32), nn.Linear(32, 3)
+
+    def __call__(self, x):
+        return self.l2(nn.relu(self.l1(x)))
+
+
+def loss_fn(model, x, y):
+    return nn.losses.cross_entropy(model(x), y, reduction="mean")
+
+
+def blobs(n=1200, seed=0):
+    """Three Gaussian blobs in 8 dimensions: a problem any of the strategies learns in 100 steps."""
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 3, n).astype(np.int32)
+    x = (rng.normal(size=(n, 8)) + 4.0 * np.eye(3, 8)[y]).astype(np.float32)
+    return x, y
+
+
+@pytest.mark.parametrize("strategy", [DDP(compress="fp32"), DiLoCo(sync_every=10), SPARTA(fraction=0.1)],
+                         ids=lambda s: s.name)
+def test_fit_any_model_with_any_strategy(tmp_path, strategy):
+    mx.random.seed(0)
+    x, y = blobs()
+    result = Trainer(MLP(), loss_fn, (x[:1000], y[:1000]), (x[1000:], y[1000:]), batch_size=16, lr=3e-3,
+                     warmup=5, eval_batches=4, run_dir=tmp_path / "run", log=lambda m: None).fit(
+        strategy, workers=4, steps=100)
+    assert result.metrics[-1]["eval_loss"] < 0.5 * result.metrics[0]["eval_loss"]
+    accuracy = (mx.argmax(result.model(mx.array(x[1000:])), axis=1) == mx.array(y[1000:])).mean().item()
+    assert accuracy > 0.85 and result.bytes_sent > 0
+    assert result.modelled_time("100mbit/20ms") > result.modelled_time("10gbe") >= result.summary["compute_s"]
+    assert (tmp_path / "run" / "latest.json").exists()  # checkpoints as in sim
+
+
+def test_iterable_batches_and_resume(tmp_path):
+    x, y = blobs()
+    batches = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 1000, 8)]
+    settings = dict(lr=3e-3, warmup=5, eval_batches=4, log=lambda m: None)
+    model = MLP()  # every fit starts from a copy of it
+    straight = Trainer(model, loss_fn, batches, (x[1000:], y[1000:]), **settings).fit(
+        DiLoCo(sync_every=5), workers=2, steps=20, run_dir=tmp_path / "a")
+    # The same run, cut short when its batches run out after 13 steps (the last checkpoint is at 10)...
+    with pytest.raises(ConfigError, match="ran out after 13 steps"):
+        Trainer(model, loss_fn, batches[:26], (x[1000:], y[1000:]), **settings).fit(
+            DiLoCo(sync_every=5), workers=2, steps=20, run_dir=tmp_path / "b")
+    # ...and resumed with all of them: the stream skips what the first 10 steps took.
+    resumed = Trainer(model, loss_fn, batches, (x[1000:], y[1000:]), **settings).fit(
+        DiLoCo(sync_every=5), workers=2, steps=20, run_dir=tmp_path / "b", resume=True)
+    assert [r["step"] for r in resumed.metrics] == [r["step"] for r in straight.metrics]
+    assert resumed.summary["final_eval_loss"] == straight.summary["final_eval_loss"]
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.out = nn.Conv2d(1, 4, 3), nn.Linear(4 * 6 * 6, 3)
+
+    def __call__(self, x):
+        return self.out(nn.relu(self.conv(x)).reshape(x.shape[0], -1))
+
+
+def test_a_model_mlx_cannot_vmap_trains_one_replica_after_another(tmp_path):
+    x, y = blobs(400)
+    images = np.repeat(x[:, None, :, None], 8, axis=1)  # (n, 8, 8, 1)
+    said = []
+    result = Trainer(ConvNet(), loss_fn, (images, y), batch_size=8, lr=1e-2, warmup=2, eval_batches=2,
+                     run_dir=tmp_path / "r", log=said.append).fit(DiLoCo(sync_every=4), workers=2, steps=8)
+    assert sum("cannot be vmapped" in m for m in said) == 1 and result.metrics[-1]["step"] == 8
+
+
+def test_a_new_strategy_in_one_short_file(tmp_path):
+    """README's example: DiLoCo with an outer Adam, in examples/outer_adam.py."""
+    from outer_adam import OuterAdam
+    assert len((ROOT / "examples" / "outer_adam.py").read_text().splitlines()) < 40
+    x, y = blobs()
+    result = Trainer(MLP(), loss_fn, (x, y), lr=1e-2, warmup=5, eval_batches=4, run_dir=tmp_path / "r",
+                     log=lambda m: None).fit(OuterAdam(sync_every=10), workers=2, steps=60)
+    assert result.metrics[-1]["eval_loss"] < 0.5 * result.metrics[0]["eval_loss"]
+    with pytest.raises(ConfigError, match="did you mean 'outer_beta2'"):
+        OuterAdam(outer_beta=0.9)
+
+
+def test_digits_example_runs():
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "digits.py"), "--steps", "20", "--out",
+                          str(ROOT / "runs" / "test-digits")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert all(name in out.stdout for name in ("ddp", "diloco", "sparta")) and "digits.png" in out.stdout
