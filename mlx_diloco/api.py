@@ -22,7 +22,7 @@ from .comm import SimCommunicator
 from .config import ConfigError, TrainConfig, from_dict
 from .data import ArrayExamples, BatchStream, Dataset
 from .metrics import MetricsLog
-from .network import exchange_time, parse_link
+from .network import modelled_time, parse_link
 from .train import Parts, Run
 
 
@@ -52,9 +52,7 @@ class FitResult:
     def modelled_time(self, link: str) -> float:
         """Seconds the run would take on `link` (a preset or 'BW/LATENCY'): compute, plus the
         part of each exchange that overlapped steps do not hide."""
-        link = parse_link(link)
-        compute = self.summary["compute_s"]
-        return compute + sum(max(0.0, exchange_time(h, b, link) - tau * self.step_s) for h, b, tau in self.exchanges)
+        return modelled_time(self.summary["compute_s"], self.exchanges, self.step_s, parse_link(link))
 
 
 class Trainer:

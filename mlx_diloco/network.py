@@ -66,3 +66,9 @@ def all_reduce_time(payload_bytes: float, workers: int, link: Link) -> float:
     """Ring all-reduce: 2(M-1) steps, each moving 1/M of the payload."""
     M = workers
     return exchange_time(2 * (M - 1), 2 * (M - 1) * payload_bytes / M, link) if M > 1 else 0.0
+
+
+def modelled_time(compute_s: float, exchanges: list, step_s: float, link: Link) -> float:
+    """A run's time on `link`: its compute, plus each exchange (hops, bytes sent, overlap steps)
+    less what its overlapped inner steps hide."""
+    return compute_s + sum(max(0.0, exchange_time(h, b, link) - tau * step_s) for h, b, tau in exchanges)
