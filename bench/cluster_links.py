@@ -77,7 +77,7 @@ def main():
     args = p.parse_args()
     ensure_fast_blas([__file__, *sys.argv[1:]])
     from emulated import EmulatedCluster, can_build
-    from mlx_diloco.network import all_reduce_time, parse_link
+    from mlx_diloco.exchange.network import all_reduce_time, parse_link
     if why := can_build():
         raise SystemExit(f"cannot build the emulated cluster: {why}")
 

@@ -28,9 +28,9 @@ def comparison_settings(steps: int, sync_every: int) -> dict:
 
 def train(settings: dict, run_dir: Path) -> dict:
     """One simulated run; returns its summary."""
-    from mlx_diloco.comm import SimCommunicator
+    from mlx_diloco.exchange.comm import SimCommunicator
     from mlx_diloco.config import TrainConfig
-    from mlx_diloco.train import Run
+    from mlx_diloco.training.run import Run
 
     config = TrainConfig.from_dict(settings)
     return Run(config, run_dir, SimCommunicator(config.workers)).train()

@@ -31,8 +31,8 @@ TARGETS = {"int8": 0.005, "int4": 0.01, "e3m0": 0.01, "int2+ef": 0.01}  # relati
 
 def bytes_table(params: int):
     import mlx.core as mx
-    from mlx_diloco.codecs import CODECS as REGISTRY
-    from mlx_diloco.comm import SimCommunicator
+    from mlx_diloco.exchange.codecs import CODECS as REGISTRY
+    from mlx_diloco.exchange.comm import SimCommunicator
 
     print(f"bytes per sync for {params:,} parameters (one worker; scales included)")
     print(f"{'codec':6} {'payload B/param':>15} " + " ".join(f"{f'sent M={M}':>14}" for M in (2, 4, 8))

@@ -23,11 +23,11 @@ if __name__ == "__main__":
 def make_setup(model_name, workers, batch_size, vectorize, seq_len):
     """A ready-to-step closure training `workers` replicas of batch `batch_size`."""
     import mlx.core as mx
-    from mlx_diloco.comm import SimCommunicator
+    from mlx_diloco.exchange.comm import SimCommunicator
     from mlx_diloco.config import TrainConfig
-    from mlx_diloco.data import prepare
-    from mlx_diloco.modelzoo import build_model, load_spec
-    from mlx_diloco.workers import Workers
+    from mlx_diloco.data.datasets import prepare
+    from mlx_diloco.models.zoo import build_model, load_spec
+    from mlx_diloco.training.workers import Workers
 
     config = TrainConfig.from_dict(dict(model=model_name, workers=workers, batch_size=batch_size,
                                         seq_len=seq_len, vectorize=vectorize, sync_every=10_000))

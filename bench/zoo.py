@@ -42,11 +42,11 @@ def main():
     p.add_argument("--only", help="comma-separated subset of: " + ", ".join(RUNS))
     args = p.parse_args()
 
-    from mlx_diloco.comm import SimCommunicator
+    from mlx_diloco.exchange.comm import SimCommunicator
     from mlx_diloco.config import TrainConfig
-    from mlx_diloco.network import modelled_time, parse_link
+    from mlx_diloco.exchange.network import modelled_time, parse_link
     from mlx_diloco.plot import plot_runs
-    from mlx_diloco.train import Run
+    from mlx_diloco.training.run import Run
 
     out = Path(args.out)
     names = args.only.split(",") if args.only else list(RUNS)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parent / "netns-cluster.sh"
-from mlx_diloco.protocol import DEFAULT_PORT as PORT
+from mlx_diloco.cluster.protocol import DEFAULT_PORT as PORT
 
 SECRET = "test-cluster-secret-0123456789"
 
@@ -85,8 +85,8 @@ class EmulatedCluster:
             return None
 
     def worker_pid(self, i: int) -> int:
-        from mlx_diloco import protocol
-        from mlx_diloco.discovery import AgentClient, Found
+        from mlx_diloco.cluster import protocol
+        from mlx_diloco.cluster.discovery import AgentClient, Found
         client = AgentClient(Found(self.address(i), PORT), SECRET.encode())
         return client.request("status", job=self.job_folder(i).name, metrics_from=0, log_from=protocol.NO_LOG)["pid"]
 

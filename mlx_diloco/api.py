@@ -18,12 +18,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .comm import SimCommunicator
+from .exchange.comm import SimCommunicator
 from .config import ConfigError, TrainConfig, from_dict
-from .data import ArrayExamples, BatchStream, Dataset
-from .metrics import MetricsLog
-from .network import modelled_time, parse_link
-from .train import Parts, Run
+from .data.datasets import ArrayExamples, BatchStream, Dataset
+from .training.metrics import MetricsLog
+from .exchange.network import modelled_time, parse_link
+from .training.run import Parts, Run
 
 
 def examples(data, what: str, batches: int = None):

@@ -8,7 +8,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from .config import ConfigError, TrainConfig
-from .protocol import DEFAULT_PORT
+from .cluster.protocol import DEFAULT_PORT
 
 HELP = {
     "model": "model preset name (see models/), a preset .json file, or an mlx-lm model folder",
@@ -71,7 +71,7 @@ def config_from_args(args) -> TrainConfig:
         if given or args.config:
             flags = " ".join("--" + k.replace("_", "-") for k in given) or "--config"
             raise ConfigError(f"--resume continues the run with its saved config; drop {flags}")
-        from .train import saved_config
+        from .training.run import saved_config
         return saved_config(Path(args.run_dir))
     return config_from_flags(args)
 
@@ -79,8 +79,8 @@ def config_from_args(args) -> TrainConfig:
 # ------------------------------------------------------------------ commands
 
 def cmd_sim(args):
-    from .comm import SimCommunicator
-    from .train import Run
+    from .exchange.comm import SimCommunicator
+    from .training.run import Run
     if args.resume and not args.run_dir:
         raise ConfigError("--resume needs --run-dir naming the run to continue")
     config = config_from_args(args)
@@ -99,8 +99,8 @@ def cmd_sim(args):
 
 def cmd_worker(args):
     """One worker of a real cluster job (started by an agent, or by hand with MLX_RANK/MLX_HOSTFILE)."""
-    from .ring import init_ring
-    from .train import Placement, Run
+    from .exchange.ring import init_ring
+    from .training.run import Placement, Run
     config = TrainConfig.from_file(args.config)
     comm = init_ring(args.collective_timeout)
     rank = comm.local_workers[0]
@@ -117,8 +117,8 @@ def cmd_worker(args):
 
 def cmd_agent(args):
     import logging
-    from .agent import serve
-    from .protocol import load_secret
+    from .cluster.agent import serve
+    from .cluster.protocol import load_secret
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     serve(Path(args.state_dir).expanduser(), load_secret(secret_file=args.secret_file), args.port, args.bind,
           mdns=not args.no_mdns, name=args.name)
@@ -126,7 +126,7 @@ def cmd_agent(args):
 
 def found_agents(args):
     """The agents named by --hosts (a list or a file), else those that answer on mDNS."""
-    from .discovery import browse, parse_hosts
+    from .cluster.discovery import browse, parse_hosts
     if args.hosts:
         text = Path(args.hosts).read_text() if Path(args.hosts).is_file() else args.hosts
         return parse_hosts(text, DEFAULT_PORT)
@@ -138,8 +138,8 @@ def found_agents(args):
 
 
 def cmd_discover(args):
-    from .discovery import AgentClient, AgentError
-    from .protocol import load_secret
+    from .cluster.discovery import AgentClient, AgentError
+    from .cluster.protocol import load_secret
     secret = load_secret(secret_file=args.secret_file) if (args.secret_file or os.environ.get("MLX_DILOCO_SECRET")) else None
     if args.hosts and secret is None:
         raise ConfigError("listed hosts can only be asked with the cluster secret: set MLX_DILOCO_SECRET or "
@@ -166,8 +166,8 @@ def cmd_discover(args):
 
 
 def cmd_launch(args):
-    from .launcher import JobFailed, JobState, Launcher, Options
-    from .protocol import load_secret
+    from .cluster.launcher import JobFailed, JobState, Launcher, Options
+    from .cluster.protocol import load_secret
     secret = load_secret(secret_file=args.secret_file)
     if args.resume:
         if not args.run_dir:
@@ -198,7 +198,7 @@ def cmd_secret(args):
 
 
 def print_summary(s):
-    from .metrics import human_bytes
+    from .training.metrics import human_bytes
     print(f"\nrun {s['run_dir']}: {s['strategy']} x{s['workers']}, {s['steps']} steps, "
           f"{s['tokens']:,} tokens, final eval loss {s['final_eval_loss']:.4f}")
     print(f"each worker sent {human_bytes(s['bytes_sent_per_worker'])}; on {s['link']}: compute "
@@ -242,12 +242,15 @@ def parse_count(text: str) -> float:
         raise argparse.ArgumentTypeError(f"'{text}' is not a count like 7e9, 7B or 124M")
 
 
-def build_parser():
+def build_parser(config_flags: bool = True):
+    """`config_flags=False` leaves out the training flags of sim and launch: building them imports
+    the strategies and MLX, which the control-plane commands (agent, discover) do without."""
     p = argparse.ArgumentParser(prog="mlx-diloco", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("sim", help="simulate N workers on this machine")
-    add_config_flags(s)
+    if config_flags:
+        add_config_flags(s)
     s.add_argument("--run-dir", help="folder for metrics and checkpoints (default: runs/STRATEGY-xN-TIME)")
     s.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
     s.add_argument("--sample-tokens", type=int, default=100, help="tokens to sample at the end (0: none)")
@@ -287,7 +290,8 @@ def build_parser():
     s.set_defaults(func=cmd_discover)
 
     s = sub.add_parser("launch", help="run a job on the agents of a real cluster")
-    add_config_flags(s)
+    if config_flags:
+        add_config_flags(s)
     add_finding(s)
     s.add_argument("--run-dir", help="folder for the job's metrics and state (default: runs/cluster-...)")
     s.add_argument("--resume", action="store_true", help="continue the job in --run-dir (after a launcher restart)")
@@ -344,7 +348,8 @@ def build_parser():
 def main(argv=None):
     from .blas import ensure_fast_blas
     ensure_fast_blas(None if argv is None else ["-m", "mlx_diloco", *argv])
-    args = build_parser().parse_args(argv)
+    command = (sys.argv[1:] if argv is None else argv)[:1]
+    args = build_parser(config_flags=command in (["sim"], ["launch"])).parse_args(argv)
     try:
         args.func(args)
     except ConfigError as e:

@@ -73,13 +73,20 @@ class TrainConfig:
     vectorize: bool = True          # train simulated workers with mx.vmap (False: one after another)
 
     @classmethod
-    def from_dict(cls, params: dict) -> "TrainConfig":
+    def from_dict(cls, params: dict, check_strategy: bool = True) -> "TrainConfig":
         """Config keys and the strategy's options side by side ({"strategy": "diloco", "sync_every": 50});
-        every key is checked against the config and the chosen strategy, every value against its type."""
-        from .strategies import STRATEGIES, strategy_class
+        every key is checked against the config and the chosen strategy, every value against its type.
+        `check_strategy=False` checks the config's own keys only and keeps the rest as strategy
+        options, unchecked: for the agent, which must not import MLX (its worker checks them)."""
         if not isinstance(params, dict):
             return from_dict(cls, params, what="config key")  # the one-line error for a non-object
         own = {f.name for f in fields(cls)}
+        if not check_strategy:
+            config = from_dict(cls, {k: v for k, v in params.items() if k in own}, what="config key")
+            config.strategy_options = {k: v for k, v in params.items() if k not in own}
+            config.check_values()
+            return config
+        from .strategies import STRATEGIES, strategy_class
         name = params.get("strategy", cls.strategy)
         theirs = {f.name for f in fields(strategy_class(name))} if isinstance(name, str) else set()
         options = dict(params.get("strategy_options") or {})

@@ -5,7 +5,8 @@ import platform
 import sys
 import time
 
-from . import __version__, blas, hostinfo
+from . import __version__, blas
+from .cluster import hostinfo
 
 
 def matmul_gflops(n: int = 1024, repeats: int = 3) -> float:

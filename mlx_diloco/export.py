@@ -6,9 +6,9 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from . import checkpoint
+from .training import checkpoint
 from .config import ConfigError
-from .modelzoo import ModelSpec, build_model
+from .models.zoo import ModelSpec, build_model
 
 
 def load_trained_model(run_dir):

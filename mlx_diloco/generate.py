@@ -3,7 +3,7 @@
 import mlx.core as mx
 
 from .config import ConfigError
-from .data import Tokenizer
+from .data.datasets import Tokenizer
 from .export import load_trained_model
 
 

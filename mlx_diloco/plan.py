@@ -1,10 +1,10 @@
 """`mlx-diloco plan`: what-if estimates of sync time and utilisation for any model, link and H,
 codec, number of fragments (Streaming DiLoCo) and overlap."""
 
-from .codecs import get_codec
-from .comm import exchange_plan
-from .metrics import human_bytes
-from .network import LINKS, exchange_time, parse_link
+from .exchange.codecs import get_codec
+from .exchange.comm import exchange_plan
+from .training.metrics import human_bytes
+from .exchange.network import LINKS, exchange_time, parse_link
 
 
 def plan(params: float, codec: str, workers: int, sync_every: int, step_time: float, links: list,

@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from .config import ConfigError
-from .metrics import MetricsLog
+from .training.metrics import MetricsLog
 
 AXES = [("step", "inner steps"), ("tokens", "tokens (all workers)"), ("modelled_time_s", "modelled time (s)"),
         ("bytes_sent_per_worker", "bytes sent per worker")]

@@ -5,8 +5,8 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 from conftest import tiny_config
-from mlx_diloco.comm import SimCommunicator
-from mlx_diloco.train import Run
+from mlx_diloco.exchange.comm import SimCommunicator
+from mlx_diloco.training.run import Run
 
 
 def flat(tree):

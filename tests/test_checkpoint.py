@@ -7,9 +7,9 @@ import pytest
 from mlx.utils import tree_flatten
 
 from conftest import run_cli, tiny_config
-from mlx_diloco.comm import SimCommunicator
+from mlx_diloco.exchange.comm import SimCommunicator
 from mlx_diloco.config import ConfigError
-from mlx_diloco.train import Run
+from mlx_diloco.training.run import Run
 
 
 def final_params(run):

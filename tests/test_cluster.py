@@ -14,9 +14,9 @@ from mlx.utils import tree_flatten
 
 from conftest import tiny_config
 from emulated import SECRET, EmulatedCluster, can_build
-from mlx_diloco import checkpoint
-from mlx_diloco.comm import SimCommunicator
-from mlx_diloco.train import Run
+from mlx_diloco.training import checkpoint
+from mlx_diloco.exchange.comm import SimCommunicator
+from mlx_diloco.training.run import Run
 
 pytestmark = pytest.mark.skipif(bool(can_build()), reason=can_build())
 

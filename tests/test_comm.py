@@ -3,7 +3,7 @@
 import mlx.core as mx
 import numpy as np
 
-from mlx_diloco.comm import SimCommunicator
+from mlx_diloco.exchange.comm import SimCommunicator
 
 
 def test_all_mean_in_fp16_and_ring_byte_count():

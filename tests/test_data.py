@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from mlx_diloco.config import ConfigError
-from mlx_diloco.data import ShardSampler, Tokenizer, load_text, prepare
+from mlx_diloco.data.datasets import ShardSampler, Tokenizer, load_text, prepare
 
 
 def test_embedded_corpus_is_shakespeare():

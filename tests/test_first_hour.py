@@ -15,11 +15,11 @@ import pytest
 from mlx.utils import tree_flatten
 
 from conftest import run_cli, tiny_config
-from mlx_diloco import checkpoint
-from mlx_diloco.comm import SimCommunicator
+from mlx_diloco.training import checkpoint
+from mlx_diloco.exchange.comm import SimCommunicator
 from mlx_diloco.config import ConfigError, TrainConfig
-from mlx_diloco.data import load_text
-from mlx_diloco.train import Run
+from mlx_diloco.data.datasets import load_text
+from mlx_diloco.training.run import Run
 
 QUIET = dict(log=lambda m: None)
 TINY = ["--model", "tiny", "--batch-size", "4", "--workers", "2", "--eval-batches", "2", "--sample-tokens", "0"]
@@ -138,7 +138,7 @@ def test_qwen3_preset_and_model_folder_from_another_directory(tmp_path):
 
 
 def test_misspelled_mlx_lm_option_and_unknown_type(tmp_path):
-    from mlx_diloco.modelzoo import load_spec
+    from mlx_diloco.models.zoo import load_spec
     (tmp_path / "a.json").write_text(json.dumps({"type": "llama", "hiden_size": 32}))
     with pytest.raises(ConfigError, match="llama has no option 'hiden_size'; did you mean 'hidden_size'"):
         load_spec(str(tmp_path / "a.json"))
@@ -207,7 +207,7 @@ def test_ctrl_c_hint_names_the_command_and_run(tmp_path):
 
 # 10. the launcher cuts shards without building the model
 def test_shards_are_cut_without_building_the_model(tmp_path):
-    from mlx_diloco.launcher import cut_shards
+    from mlx_diloco.cluster.launcher import cut_shards
     (tmp_path / "t.txt").write_text(load_text("shakespeare")[:200_000])
     config = TrainConfig.from_dict({"model": "llama-1b", "data": str(tmp_path / "t.txt"), "seq_len": 64, "workers": 2})
     mx.reset_peak_memory()
@@ -235,7 +235,7 @@ def test_every_imported_package_is_declared():
 
 
 def test_worker_failure_names_the_last_line_not_a_list(tmp_path):
-    from mlx_diloco.launcher import JobState, Launcher, Member
+    from mlx_diloco.cluster.launcher import JobState, Launcher, Member
     state = JobState("j", tiny_config().to_dict(), [Member("127.0.0.1", 1, 0, "mini")], 1, {})
     launcher = Launcher(state, tmp_path, b"s" * 20, **QUIET)
     launcher.started_at = time.time()

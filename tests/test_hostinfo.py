@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from mlx_diloco.hostinfo import interfaces, kind_of_port, parse_hardware_ports, parse_thunderbolt, thunderbolt_links
-from mlx_diloco.ringplan import plan_ring
+from mlx_diloco.cluster.hostinfo import interfaces, kind_of_port, parse_hardware_ports, parse_thunderbolt, thunderbolt_links
+from mlx_diloco.cluster.ringplan import plan_ring
 
 DATA = Path(__file__).parent / "data"
 

@@ -1,11 +1,11 @@
 import mlx.core as mx
 import pytest
 
-from mlx_diloco.comm import SimCommunicator
+from mlx_diloco.exchange.comm import SimCommunicator
 from mlx_diloco.config import TrainConfig
-from mlx_diloco.data import FASHION_MNIST_DIR
-from mlx_diloco.modelzoo import build_model, count_parameters, load_spec, preset_names
-from mlx_diloco.train import Run
+from mlx_diloco.data.datasets import FASHION_MNIST_DIR
+from mlx_diloco.models.zoo import build_model, count_parameters, load_spec, preset_names
+from mlx_diloco.training.run import Run
 
 
 def test_presets_are_listed():

@@ -1,7 +1,7 @@
 import pytest
 
 from conftest import run_cli
-from mlx_diloco.network import LINKS, all_reduce_time, parse_link
+from mlx_diloco.exchange.network import LINKS, all_reduce_time, parse_link
 from mlx_diloco.plan import plan
 
 

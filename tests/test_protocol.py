@@ -16,9 +16,9 @@ import msgpack
 import pytest
 
 from conftest import tiny_config
-from mlx_diloco import protocol
+from mlx_diloco.cluster import protocol
 from mlx_diloco.config import ConfigError
-from mlx_diloco.discovery import AgentClient, Found, parse_hosts
+from mlx_diloco.cluster.discovery import AgentClient, Found, parse_hosts
 
 SECRET = b"fuzz-secret-0123456789abcdef"
 
@@ -207,7 +207,7 @@ def test_unauthenticated_peers_cannot_hold_memory_or_threads(agent):
             pass
         assert _outcome(sock) != "ok"
     # 200 idle connections: at most MAX_CONNECTIONS get a thread; each is dropped after FIRST_FRAME_S.
-    from mlx_diloco.agent import MAX_CONNECTIONS
+    from mlx_diloco.cluster.agent import MAX_CONNECTIONS
     idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(200)]
     time.sleep(1)
     rss1, threads1 = _agent_usage(proc.pid)
@@ -226,3 +226,15 @@ def test_unauthenticated_peers_cannot_hold_memory_or_threads(agent):
     time.sleep(0.5)
     assert _agent_usage(proc.pid)[1] <= threads0 + 1
     assert AgentClient(Found("127.0.0.1", port), SECRET).request("heartbeat")["type"] == "ok"
+
+
+def test_control_plane_runs_without_mlx(agent):
+    """The agent and discover never import MLX: a Mac's agent stays small, and discover starts at once."""
+    proc, port, _ = agent
+    assert AgentClient(Found("127.0.0.1", port), SECRET).hello()["version"]
+    assert "libmlx" not in open(f"/proc/{proc.pid}/maps").read()
+    code = ("import sys\nfrom mlx_diloco.cli import main\ntry:\n    main(['discover', '--hosts', '127.0.0.1:%d'])\n"
+            "except SystemExit:\n    pass\nprint(sorted(m for m in sys.modules if m.split('.')[0] == 'mlx'))" % port)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "MLX_DILOCO_SECRET": SECRET.decode(), "MLX_DILOCO_NO_BLAS_FIX": "1"})
+    assert out.stdout.strip().splitlines()[-1] == "[]" and "127.0.0.1" in out.stdout, out.stdout + out.stderr

@@ -10,12 +10,12 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from conftest import tiny_config
-from mlx_diloco import checkpoint
-from mlx_diloco.comm import SimCommunicator
-from mlx_diloco.train import Run
+from mlx_diloco.training import checkpoint
+from mlx_diloco.exchange.comm import SimCommunicator
+from mlx_diloco.training.run import Run
 
 
 def free_ports(n):
@@ -48,7 +48,7 @@ def run_ranks(tmp_path, n, args, timeout=240):
 EXCHANGE = """
 import json, sys
 import mlx.core as mx, numpy as np
-from mlx_diloco.ring import init_ring
+from mlx_diloco.exchange.ring import init_ring
 comm = init_ring(60)
 rank = comm.local_workers[0]
 x = (mx.random.normal((3, 20000), key=mx.random.key(7)) * 0.01)[rank:rank + 1]
@@ -76,8 +76,12 @@ def test_quantized_exchange_over_sockets_equals_the_simulator(tmp_path, M):
     assert [a for a, _ in records] == ["all_reduce", "all_reduce"] + ["quantized_ring" if M > 2 else "all_gather"] * 4
 
 
-def test_ring_run_matches_sim(tmp_path):
-    config = tiny_config(workers=2, steps=8, sync_every=4, compress="fp16")
+# DeMo steps by sign(Q): a float-level difference (vmapped sim vs one process) can flip a sign where Q
+# is near 0, so for it the test asks 99% of the parameters to agree.
+@pytest.mark.parametrize("strategy, options", [("diloco", dict(compress="fp16")), ("sparta", dict(fraction=0.1)),
+                                               ("muloco", {}), ("demo", dict(topk=8))], ids=lambda v: str(v))
+def test_ring_run_matches_sim(tmp_path, strategy, options):
+    config = tiny_config(workers=2, steps=8, strategy=strategy, **options)
     cfg = tmp_path / "job.json"
     cfg.write_text(json.dumps(config.to_dict()))
     run_ranks(tmp_path, 2, ["-m", "mlx_diloco", "worker", "--config", cfg, "--run-dir", tmp_path / "ring"])
@@ -85,8 +89,11 @@ def test_ring_run_matches_sim(tmp_path):
     sim = Run(config, tmp_path / "sim", SimCommunicator(2), log=lambda m: None)
     sim.train()
     ring_state, _ = checkpoint.load(tmp_path / "ring")
-    ring_global = dict(tree_flatten(ring_state["strategy"]["global"]))
-    for k, v in tree_flatten(sim.strategy.global_params(None)):
-        np.testing.assert_allclose(np.array(ring_global[k]), np.array(v), rtol=1e-3, atol=1e-5, err_msg=k)
+    ring_model = ring_state.get("strategy", {}).get("global") or tree_map(lambda p: p[0], ring_state["workers"]["params"])
+    ring_global = dict(tree_flatten(ring_model))
+    close = []
+    for k, v in tree_flatten(sim.global_params()):
+        close.append(np.isclose(np.array(ring_global[k]), np.array(v), rtol=1e-3, atol=1e-5).ravel())
+    assert np.concatenate(close).mean() > (0.99 if strategy == "demo" else 1 - 1e-9)
     rows = [json.loads(l) for l in (tmp_path / "ring" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 8 and rows[-1]["bytes_sent_per_worker"] == sim.bytes_sent

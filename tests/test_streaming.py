@@ -9,12 +9,12 @@ import pytest
 from mlx.utils import tree_flatten
 
 from conftest import tiny_config
-from mlx_diloco import checkpoint
-from mlx_diloco.codecs import CODECS, E3M0, GROUP
-from mlx_diloco.comm import SimCommunicator
-from mlx_diloco.fragments import partition
-from mlx_diloco.modelzoo import build_model, load_spec
-from mlx_diloco.train import Run
+from mlx_diloco.training import checkpoint
+from mlx_diloco.exchange.codecs import CODECS, E3M0, GROUP
+from mlx_diloco.exchange.comm import SimCommunicator
+from mlx_diloco.strategies.fragments import partition
+from mlx_diloco.models.zoo import build_model, load_spec
+from mlx_diloco.training.run import Run
 
 QUIET = dict(log=lambda m: None)
 

@@ -6,9 +6,9 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from conftest import tiny_config
-from mlx_diloco.comm import SimCommunicator
-from mlx_diloco.modelzoo import build_model, load_spec
-from mlx_diloco.train import Run
+from mlx_diloco.exchange.comm import SimCommunicator
+from mlx_diloco.models.zoo import build_model, load_spec
+from mlx_diloco.training.run import Run
 from mlx_diloco.strategies.base import default_inner_optimizer
 
 

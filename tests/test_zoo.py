@@ -11,11 +11,11 @@ import pytest
 from mlx.utils import tree_flatten
 
 from conftest import tiny_config
-from mlx_diloco.codecs import get_codec
-from mlx_diloco.comm import SimCommunicator
+from mlx_diloco.exchange.codecs import get_codec
+from mlx_diloco.exchange.comm import SimCommunicator
 from mlx_diloco.config import ConfigError
 from mlx_diloco.strategies import STRATEGIES, DiLoCo
-from mlx_diloco.train import Run
+from mlx_diloco.training.run import Run
 
 QUIET = dict(log=lambda m: None)
 

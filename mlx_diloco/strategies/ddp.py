@@ -11,7 +11,7 @@ class DDP(Strategy):
     compress: str = option("fp16", "codec of the averaged gradients")
 
     def check(self):
-        from ..codecs import get_codec
+        from ..exchange.codecs import get_codec
         get_codec(self.compress)
 
     def reduce_gradients(self, grads, step):

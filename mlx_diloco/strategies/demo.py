@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
 
-from ..comm import flatten_workers, unflatten
+from ..exchange.comm import flatten_workers, unflatten
 from .base import Strategy, lr_schedule, option
 
 

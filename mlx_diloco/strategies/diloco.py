@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..codecs import get_codec
-from ..fragments import Fragment, gather, global_tree, partition
+from ..exchange.codecs import get_codec
+from .fragments import Fragment, gather, global_tree, partition
 from .base import Strategy, mean_gradients, option
 
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ..codecs import get_codec
-from ..comm import flatten_workers, unflatten
+from ..exchange.codecs import get_codec
+from ..exchange.comm import flatten_workers, unflatten
 from .base import Strategy, option
 
 

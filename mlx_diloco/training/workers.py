@@ -10,7 +10,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
-from .comm import stack_copies
+from ..exchange.comm import stack_copies
 
 
 def clip_per_worker(grads, max_norm: float):

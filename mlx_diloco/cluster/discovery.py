@@ -4,8 +4,9 @@ import socket
 import time
 from dataclasses import dataclass
 
-from . import __version__, protocol
-from .config import ConfigError
+from .. import __version__
+from . import protocol
+from ..config import ConfigError
 
 
 class AgentError(Exception):

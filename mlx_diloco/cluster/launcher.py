@@ -24,10 +24,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from . import protocol
-from .atomic import atomic_write_text
-from .config import ConfigError, TrainConfig
+from ..atomic import atomic_write_text
+from ..config import ConfigError, TrainConfig
 from .discovery import AgentClient, AgentError, Found
-from .metrics import MetricsLog, human_bytes
+from ..training.metrics import MetricsLog, human_bytes
 from .ringplan import plan_ring
 
 
@@ -86,9 +86,9 @@ class JobFailed(Exception):
 def cut_shards(config: TrainConfig, num_shards: int, folder: Path, log=print) -> dict:
     """Tokenize the corpus here once and cut one shard per worker into folder/worker-K, without
     building the model. Returns {worker: {file name: sha256}}, what the agents are sent."""
-    from .data import write_shard
-    from .modelzoo import load_spec
-    from .train import load_data
+    from ..data.datasets import write_shard
+    from ..models.zoo import load_spec
+    from ..training.run import load_data
     data = load_data(config, load_spec(config.model), log=log)
     files = {}
     for w in range(num_shards):
@@ -110,7 +110,7 @@ class Launcher:
     # ------------------------------------------------------------ setup
     @classmethod
     def new(cls, config: TrainConfig, found: list, run_dir: Path, secret: bytes, options: Options, log=print):
-        from .train import resolve_config
+        from ..training.run import resolve_config
         run_dir, config = Path(run_dir), resolve_config(config)
         if (run_dir / "launch.json").exists():
             raise ConfigError(f"{run_dir} already holds a job; pass --resume to continue it, or another --run-dir")

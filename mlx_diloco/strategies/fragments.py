@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .codecs import Codec
+from ..exchange.codecs import Codec
 
 BLOCK = re.compile(r"(?:^|\.)(?:h|layers)\.(\d+)\.")
 
@@ -36,7 +36,7 @@ def partition(params, P: int, order: str = "strided") -> list:
     flat = tree_flatten(params)
     blocks = sorted({int(m.group(1)) for k, _ in flat if (m := BLOCK.search(k))})
     if P > max(len(blocks), 1):
-        from .config import ConfigError
+        from ..config import ConfigError
         raise ConfigError(f"{P} fragments but the model has {len(blocks)} blocks; pass --fragments "
                           f"{max(len(blocks), 1)} or fewer")
     if order == "strided":

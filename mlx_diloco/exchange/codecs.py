@@ -124,7 +124,7 @@ CODECS = {c.name: c for c in (
 
 
 def get_codec(name: str) -> Codec:
-    from .config import ConfigError
+    from ..config import ConfigError
     if name not in CODECS:
         raise ConfigError(f"unknown codec '{name}'; choose one of {', '.join(CODECS)}")
     return CODECS[name]

@@ -17,7 +17,7 @@ import sys
 
 import ifaddr
 
-from . import __version__
+from .. import __version__
 
 
 def _run(cmd) -> str:

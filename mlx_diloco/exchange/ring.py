@@ -9,29 +9,16 @@ collective timeout the process prints every thread's stack and exits, and the la
 the job from its last checkpoint.
 """
 
-import faulthandler
 import json
 import os
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
 
+from ..config import ConfigError
 from .comm import Communicator, SimCommunicator
-from .config import ConfigError
-
-WATCHDOG_EXIT_MARK = "Timeout ("  # how faulthandler's dump starts; the agent looks for it
-
-
-@contextmanager
-def watchdog(timeout_s: float):
-    """Exit the process if the block has not finished after `timeout_s` seconds."""
-    faulthandler.dump_traceback_later(timeout_s, exit=True, file=sys.stderr)
-    try:
-        yield
-    finally:
-        faulthandler.cancel_dump_traceback_later()
+from .watchdog import watchdog
 
 
 class RingCommunicator(Communicator):

@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from .config import ConfigError
+from ..config import ConfigError
 
 
 @dataclass

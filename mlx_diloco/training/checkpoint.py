@@ -15,8 +15,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .atomic import atomic_write_text
-from .config import ConfigError
+from ..atomic import atomic_write_text
+from ..config import ConfigError
 
 KEEP = 2  # checkpoints kept on disk
 

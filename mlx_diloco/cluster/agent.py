@@ -25,8 +25,8 @@ import uuid
 from pathlib import Path
 
 from . import hostinfo, protocol
-from .config import ConfigError, TrainConfig
-from .ring import WATCHDOG_EXIT_MARK
+from ..config import ConfigError, TrainConfig
+from ..exchange.watchdog import WATCHDOG_EXIT_MARK
 
 SERVICE_TYPE = "_mlx-diloco._tcp.local."
 MAX_CONNECTIONS = 32  # a launcher holds one per agent; more are refused at once
@@ -156,7 +156,7 @@ class Agent:
     def on_start(self, msg):
         folder = self._job_dir(msg["job"])
         try:
-            config = TrainConfig.from_dict(msg["config"])
+            config = TrainConfig.from_dict(msg["config"], check_strategy=False)  # the worker checks it
         except (ConfigError, TypeError) as e:
             raise Refused(f"invalid job config: {e}")
         hostfile = msg["hostfile"]

@@ -64,7 +64,7 @@ SCHEMAS = {
 
 def load_secret(secret_file: str = None) -> bytes:
     """The cluster secret from --secret-file, else $MLX_DILOCO_SECRET; a clear error if neither."""
-    from .config import ConfigError
+    from ..config import ConfigError
     if secret_file:
         try:
             value = open(secret_file, "rb").read().strip()

@@ -17,13 +17,13 @@ import numpy as np
 from tqdm import tqdm
 
 from . import checkpoint
-from .comm import Communicator
-from .config import DEFAULT_MAX_SEQ_LEN, ConfigError, TrainConfig
-from .atomic import atomic_write_text
-from .data import EMBEDDED, FASHION_MNIST, BatchStream, ShardSampler, load_shard, prepare
+from ..exchange.comm import Communicator
+from ..config import DEFAULT_MAX_SEQ_LEN, ConfigError, TrainConfig
+from ..atomic import atomic_write_text
+from ..data.datasets import EMBEDDED, FASHION_MNIST, BatchStream, ShardSampler, load_shard, prepare
 from .metrics import MetricsLog, human_bytes
-from .modelzoo import build_model, count_parameters, load_spec
-from .network import exchange_time, parse_link
+from ..models.zoo import build_model, count_parameters, load_spec
+from ..exchange.network import exchange_time, parse_link
 from .workers import Workers
 
 

@@ -3,8 +3,8 @@
 import json
 from pathlib import Path
 
-from .atomic import atomic_write_text
-from .config import ConfigError
+from ..atomic import atomic_write_text
+from ..config import ConfigError
 
 
 class MetricsLog:

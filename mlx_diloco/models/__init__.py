@@ -1,0 +1,1 @@
+"""Models: our GPT and CNN, and the presets (models/*.json, any mlx-lm architecture) in zoo.py."""
