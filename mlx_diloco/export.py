@@ -34,7 +34,7 @@ def export_mlx_lm(run_dir, out_dir) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"output folder {out} is not empty; export into a new or empty folder")
     model, spec, tokenizer = load_trained_model(run_dir)
-    if spec.type in ("gpt", "cnn"):
+    if spec.type in ("gpt", "cnn", "python"):
         raise ConfigError(f"model type '{spec.type}' has no mlx-lm architecture; export works for presets of "
                           "mlx-lm architectures (llama, qwen3, ...) and model folders (use 'generate' for the others)")
     out.mkdir(parents=True, exist_ok=True)

@@ -105,3 +105,20 @@ def test_digits_example_runs():
                           str(ROOT / "runs" / "test-digits")], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert all(name in out.stdout for name in ("ddp", "diloco", "sparta")) and "digits.png" in out.stdout
+
+
+def test_a_model_builder_runs_from_the_command_line(tmp_path):
+    """What runs through the API runs through sim, launch and the cluster worker too: --model module:function."""
+    (tmp_path / "mymodels.py").write_text(
+        "from mlx_diloco.models.gpt import GPT, GPTArgs\n\n"
+        "def build():\n"
+        "    return GPT(GPTArgs(vocab_size=512, context_length=32, n_layer=2, n_head=2, n_embd=32))\n\n"
+        "build.preset = {'vocab_size': 512, 'context_length': 32}\n")
+    from conftest import run_cli
+    out = run_cli("sim", "--model", "mymodels:build", "--steps", "8", "--sync-every", "4", "--workers", "2",
+                  "--batch-size", "4", "--eval-batches", "2", "--run-dir", tmp_path / "r", "--sample-tokens", "3",
+                  env={"PYTHONPATH": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "final eval loss" in out.stdout and "sample:" in out.stdout
+    bad = run_cli("sim", "--model", "nosuchmodule:build", "--run-dir", tmp_path / "x")
+    assert bad.returncode == 2 and "cannot load model builder 'nosuchmodule:build'" in bad.stderr

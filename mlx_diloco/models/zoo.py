@@ -4,7 +4,10 @@ A preset is a JSON file in models/ (installed as mlx_diloco.presets) whose "type
 architecture: "gpt" (ours, nanoGPT-style), "cnn" (ours), or any mlx-lm `model_type` ("llama",
 "qwen3", ...: that mlx-lm architecture, randomly initialised, the other keys its ModelArgs).
 A folder holding an mlx-lm model (config.json + *.safetensors) is loaded with its weights, for
-fine-tuning.
+fine-tuning. `package.module:function` names a builder of your own: called with no arguments, it
+returns an mlx.nn.Module; a `preset` dict on the function gives what the run needs to know
+(`vocab_size` and `context_length` for a language model, `language_model: False` for images).
+On a cluster the module must be importable on every machine.
 """
 
 import difflib
@@ -32,12 +35,13 @@ class ModelSpec:
 
     @property
     def is_language_model(self):
-        return self.type != "cnn"
+        return self.params.get("language_model", self.type != "cnn")
 
     @property
     def vmappable(self):
-        # MLX 0.32 cannot vmap the gradient of conv2d ("not implemented for AsStrided")
-        return self.type != "cnn"
+        # MLX 0.32 cannot vmap the gradient of conv2d ("not implemented for AsStrided"); a builder's
+        # model is tried, and trained one replica after another if MLX cannot vmap it
+        return "auto" if self.type == "python" else self.type != "cnn"
 
     @property
     def context_length(self):
@@ -61,6 +65,8 @@ def preset_names():
 def load_spec(name: str) -> ModelSpec:
     """Resolve a preset name, a preset JSON path or an mlx-lm model folder."""
     path = Path(name)
+    if ":" in name and not path.exists():
+        return ModelSpec(name, {"type": "python", "builder": name, **getattr(import_builder(name), "preset", {})})
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ConfigError(f"model folder {path} has no config.json; pass an mlx-lm model folder or a preset name")
@@ -93,7 +99,18 @@ def checked_spec(spec: ModelSpec) -> ModelSpec:
     return spec
 
 
-OWN_TYPES = ("gpt", "cnn", "mlx-lm")  # "mlx-lm": a model folder; any other type names an mlx-lm architecture
+OWN_TYPES = ("gpt", "cnn", "mlx-lm", "python")  # a model folder, a builder; any other type: an mlx-lm architecture
+
+
+def import_builder(target: str):
+    """The function `package.module:function` names."""
+    import importlib
+    module, _, function = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module), function)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"cannot load model builder '{target}' ({type(e).__name__}: {e}); make the module "
+                          "importable (pip install it, or put its folder on PYTHONPATH) on every machine") from None
 
 
 def mlx_lm_classes(spec: ModelSpec):
@@ -127,6 +144,8 @@ def build_model(spec: ModelSpec, seed: int = 0) -> nn.Module:
     elif spec.type == "mlx-lm":
         from mlx_lm.utils import load_model
         model, _ = load_model(spec.path)
+    elif spec.type == "python":
+        model = import_builder(spec.params["builder"])()
     else:
         model_cls, args_cls = mlx_lm_classes(spec)
         model = model_cls(args_cls.from_dict({**params, "model_type": spec.type}))
