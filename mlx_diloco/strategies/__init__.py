@@ -1,5 +1,5 @@
 """The strategy zoo: each strategy one file, all written once against the communication
-interface (comm.py), so each runs in the simulator and on a real cluster. `base.py` says what a
+interface (exchange/comm.py), so each runs in the simulator and on a real cluster. `base.py` says what a
 strategy implements; README's "Writing a strategy" shows a new one in a page."""
 
 from ..config import ConfigError

@@ -13,7 +13,7 @@ hooks around every inner step:
     global_params(params)          the model to evaluate and export (no worker axis)
     state() / load_state(state)    what a checkpoint holds beside the workers' parameters
 
-Parameters and gradients carry a leading local-worker axis (see comm.py). `step` is the job-wide
+Parameters and gradients carry a leading local-worker axis (see exchange/comm.py). `step` is the job-wide
 inner step counter, which every worker agrees on, so a sync schedule can never drift.
 """
 
