@@ -18,11 +18,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .exchange.comm import SimCommunicator
 from .config import ConfigError, TrainConfig, from_dict
 from .data.datasets import ArrayExamples, BatchStream, Dataset
-from .training.metrics import MetricsLog
+from .exchange.comm import SimCommunicator
 from .exchange.network import modelled_time, parse_link
+from .training.metrics import MetricsLog
 from .training.run import Parts, Run
 
 

@@ -7,8 +7,8 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from .config import ConfigError, TrainConfig
 from .cluster.protocol import DEFAULT_PORT
+from .config import ConfigError, TrainConfig
 
 HELP = {
     "model": "model preset name (see models/), a preset .json file, or an mlx-lm model folder",

@@ -6,9 +6,9 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from .training import checkpoint
 from .config import ConfigError
 from .models.zoo import ModelSpec, build_model
+from .training import checkpoint
 
 
 def load_trained_model(run_dir):

@@ -3,8 +3,8 @@ codec, number of fragments (Streaming DiLoCo) and overlap."""
 
 from .exchange.codecs import get_codec
 from .exchange.comm import exchange_plan
-from .training.metrics import human_bytes
 from .exchange.network import LINKS, exchange_time, parse_link
+from .training.metrics import human_bytes
 
 
 def plan(params: float, codec: str, workers: int, sync_every: int, step_time: float, links: list,

@@ -24,9 +24,9 @@ import time
 import uuid
 from pathlib import Path
 
-from . import hostinfo, protocol
 from ..config import ConfigError, TrainConfig
 from ..exchange.watchdog import WATCHDOG_EXIT_MARK
+from . import hostinfo, protocol
 
 SERVICE_TYPE = "_mlx-diloco._tcp.local."
 MAX_CONNECTIONS = 32  # a launcher holds one per agent; more are refused at once

@@ -5,8 +5,8 @@ import time
 from dataclasses import dataclass
 
 from .. import __version__
-from . import protocol
 from ..config import ConfigError
+from . import protocol
 
 
 class AgentError(Exception):

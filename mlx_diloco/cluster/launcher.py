@@ -23,11 +23,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from . import protocol
 from ..atomic import atomic_write_text
 from ..config import ConfigError, TrainConfig
-from .discovery import AgentClient, AgentError, Found
 from ..training.metrics import MetricsLog, human_bytes
+from . import protocol
+from .discovery import AgentClient, AgentError, Found
 from .ringplan import plan_ring
 
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import ConfigError
 from ..atomic import atomic_write_bytes
+from ..config import ConfigError
 
 VAL_FRACTION = 0.05
 EMBEDDED = "shakespeare"

@@ -32,10 +32,6 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from .codecs import Codec, get_codec
 
 
-def tree_nbytes(tree) -> int:
-    return sum(a.nbytes for _, a in tree_flatten(tree))
-
-
 def stack_copies(tree, n: int):
     """The same values for n workers, on a new leading axis."""
     return tree_map(lambda x: mx.broadcast_to(x[None], (n, *x.shape)), tree)
@@ -165,13 +161,11 @@ class Communicator:
 
     def start_all_mean(self, tree, codec="fp32", tag: str = "") -> Pending:
         buffer, shapes = flatten_workers(tree)
-        pending = self.start_mean(buffer, codec, tag)
-        finish = pending._finish
-        pending._finish = lambda out: unflatten(finish(out), shapes)
-        return pending
+        return self.start_mean(buffer, codec, tag, shapes=shapes)
 
-    def start_mean(self, buffer: mx.array, codec="fp32", tag: str = "") -> Pending:
-        """Start the mean over all workers of an (n_local, L) float32 buffer; the result is (L,)."""
+    def start_mean(self, buffer: mx.array, codec="fp32", tag: str = "", shapes=None) -> Pending:
+        """Start the mean over all workers of an (n_local, L) float32 buffer; the result is (L,),
+        or the tree `shapes` describes (see flatten_workers)."""
         codec = get_codec(codec) if isinstance(codec, str) else codec
         mx.eval(buffer)  # inputs are ready before the exchange starts: waits then measure only the exchange
         L = buffer.shape[1]
@@ -181,7 +175,7 @@ class Communicator:
             out = run[algorithm](buffer, codec)
         record = CollectiveRecord(algorithm, codec.name, payload, sent, hops, tag)
         self.records.append(record)
-        return Pending(self, out, record, finish=lambda out: out[:L])
+        return Pending(self, out, record, finish=lambda out: out[:L] if shapes is None else unflatten(out[:L], shapes))
 
     # ---- the three algorithms
     def _summed(self, buffer, codec):

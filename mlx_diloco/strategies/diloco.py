@@ -15,8 +15,8 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..exchange.codecs import get_codec
-from .fragments import Fragment, gather, global_tree, partition
 from .base import Strategy, mean_gradients, option
+from .fragments import Fragment, gather, global_tree, partition
 
 
 @dataclass

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.optimizers as optim
 
-from .fragments import BLOCK
 from .base import default_inner_optimizer, lr_schedule, option
 from .diloco import DiLoCo
+from .fragments import BLOCK
 
 
 class ReplicaMuon(optim.Muon):

@@ -16,14 +16,14 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
-from . import checkpoint
-from ..exchange.comm import Communicator
-from ..config import DEFAULT_MAX_SEQ_LEN, ConfigError, TrainConfig
 from ..atomic import atomic_write_text
+from ..config import DEFAULT_MAX_SEQ_LEN, ConfigError, TrainConfig
 from ..data.datasets import EMBEDDED, FASHION_MNIST, BatchStream, ShardSampler, load_shard, prepare
-from .metrics import MetricsLog, human_bytes
-from ..models.zoo import build_model, count_parameters, load_spec
+from ..exchange.comm import Communicator
 from ..exchange.network import exchange_time, parse_link
+from ..models.zoo import build_model, count_parameters, load_spec
+from . import checkpoint
+from .metrics import MetricsLog, human_bytes
 from .workers import Workers
 
 
