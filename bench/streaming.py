@@ -56,6 +56,10 @@ def main():
     p.add_argument("--steps", type=int, default=500, help="inner steps per worker")
     p.add_argument("--sync-every", type=int, default=50, help="H")
     p.add_argument("--bytes-only", action="store_true", help="only the bytes table (seconds)")
+    p.add_argument("--model", default="small", help="model preset (the bytes table is for the small GPT)")
+    p.add_argument("--fragments", type=int, default=4, help="P of the streaming runs")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    p.add_argument("--only", help="comma-separated subset of the runs, e.g. diloco-fp32,streaming-int4")
     args = p.parse_args()
 
     from compare_strategies import comparison_settings, train
@@ -65,11 +69,14 @@ def main():
     if args.bytes_only:
         return
     out = Path(args.out)
-    common = {**comparison_settings(args.steps, args.sync_every), "workers": 4, "strategy": "diloco"}
-    streaming = dict(fragments=4, overlap_steps=1, merge_alpha=0.5)
+    common = {**comparison_settings(args.steps, args.sync_every), "workers": 4, "strategy": "diloco",
+              "model": args.model, "seq_len": args.seq_len}
+    streaming = dict(fragments=args.fragments, overlap_steps=1, merge_alpha=0.5)
     runs = {"diloco-fp32": dict(compress="fp32")}
     runs.update({f"streaming-{c}": dict(streaming, compress=c) for c in CODECS if c != "bf16"})
     runs["streaming-int2+ef"] = dict(streaming, compress="int2", error_feedback=True)
+    if args.only:
+        runs = {name: runs[name] for name in args.only.split(",")}
     results = {}
     for name, overrides in runs.items():
         shutil.rmtree(out / name, ignore_errors=True)
@@ -78,7 +85,9 @@ def main():
         print(f"{name:20} eval loss {s['final_eval_loss']:.4f}  sent {s['bytes_sent_per_worker'] / 1e6:.2f} MB  "
               f"largest exchange {s['peak_exchange_bytes'] / 1e6:.3f} MB", flush=True)
 
-    base = results["diloco-fp32"]
+    base = results.get("diloco-fp32")
+    if base is None:
+        return
     print(f"\n{'run':20} {'eval loss':>9} {'vs DiLoCo fp32':>14} {'target':>8} {'sent/worker':>12} {'largest exchange':>17}")
     for name, s in results.items():
         rel = s["final_eval_loss"] / base["final_eval_loss"] - 1
@@ -88,7 +97,7 @@ def main():
         print(f"{name:20} {s['final_eval_loss']:>9.4f} {rel:>+13.2%} {verdict:>8} "
               f"{s['bytes_sent_per_worker'] / 1e6:>9.2f} MB {s['peak_exchange_bytes'] / base['peak_exchange_bytes']:>12.3f} x plain")
     png = plot_runs([out / n for n in runs], out / "streaming.png",
-                    title=f"Streaming DiLoCo codecs: small GPT, 4 workers, H={args.sync_every}, P=4, tau=1")
+                    title=f"Streaming DiLoCo codecs: {args.model}, 4 workers, H={args.sync_every}, P={args.fragments}, tau=1")
     print(f"plot: {png}")
 
 

@@ -97,15 +97,17 @@ def wait_for_step(cluster, host, step, timeout=300):
 STREAMING = dict(fragments=2, overlap_steps=1, compress="int4", error_feedback=True)
 
 
-@pytest.mark.parametrize("streaming", [False, True], ids=["diloco-fp32", "streaming-int4"])
-def test_three_hosts_found_over_mdns_train_like_sim(cluster, tmp_path, streaming):
-    config = tiny_config(workers=3, steps=12, sync_every=4, **(STREAMING if streaming else dict(compress="fp32")))
+@pytest.mark.parametrize("options", [dict(compress="fp32"), dict(STREAMING, compress="fp32"), STREAMING],
+                         ids=["diloco-fp32", "streaming-fp32", "streaming-int4"])
+def test_three_hosts_found_over_mdns_train_like_sim(cluster, tmp_path, options):
+    config = tiny_config(workers=3, steps=12, sync_every=4, **options)
+    quantized = options["compress"] == "int4"
     run_dir = tmp_path / "run"
     out = finish(launch(config, run_dir))  # no --hosts: the agents are found over mDNS
     kinds = [e["event"] for e in events(run_dir)]
     assert kinds == ["shipped"] * 3 + ["started"] and "0 restart(s)" in out
     sim_params, sim_loss = sim_global(config, tmp_path)
-    if streaming:
+    if quantized:
         got = cluster_global(cluster)
         close = np.concatenate([np.isclose(got[k], v, rtol=1e-4, atol=1e-6).ravel() for k, v in sim_params.items()])
         print(f"streaming int4: {close.mean():.5%} of the parameters equal to the simulator's")
