@@ -86,13 +86,19 @@ def cmd_sim(args):
     config = config_from_args(args)
     run_dir = Path(args.run_dir or f"runs/{config.strategy}-x{config.workers}-{time.strftime('%Y%m%d-%H%M%S')}")
     args.on_interrupt = f"continue with: mlx-diloco sim --resume --run-dir {run_dir}"
-    run = Run(config, run_dir, SimCommunicator(config.workers), resume=args.resume,
-              log=lambda m: print(m, file=sys.stderr))
-    print(f"{run.config.strategy} with {run.config.workers} simulated workers, model {run.config.model} "
-          f"({run.n_params / 1e6:.2f}M parameters), data {run.config.data} -> {run_dir}", file=sys.stderr)
-    summary = run.train()
-    print_summary(summary)
-    if run.spec.is_language_model and args.sample_tokens:
+    log = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    if args.processes > 1:
+        from .training.processes import run_processes
+        print(f"{config.strategy} with {config.workers} simulated workers in {args.processes} processes, "
+              f"model {config.model}, data {config.data} -> {run_dir}", file=sys.stderr)
+        run_processes(config, run_dir, args.processes, resume=args.resume, log=log)
+    else:
+        run = Run(config, run_dir, SimCommunicator(config.workers), resume=args.resume, log=log)
+        print(f"{run.config.strategy} with {run.config.workers} simulated workers, model {run.config.model} "
+              f"({run.n_params / 1e6:.2f}M parameters), data {run.config.data} -> {run_dir}", file=sys.stderr)
+        print_summary(run.train())
+    from .models.zoo import load_spec
+    if load_spec(config.model).is_language_model and args.sample_tokens:
         from .generate import generate
         print("\nsample:\n" + args.prompt + "".join(generate(run_dir, args.prompt, args.sample_tokens)))
 
@@ -102,7 +108,7 @@ def cmd_worker(args):
     from .exchange.ring import init_ring
     from .training.run import Placement, Run
     config = TrainConfig.from_file(args.config)
-    comm = init_ring(args.collective_timeout)
+    comm = init_ring(args.collective_timeout, args.workers_per_process)
     rank = comm.local_workers[0]
     run_dir = Path(args.run_dir)
     place = Placement(shard_dir=args.data_dir, data_worker=args.data_worker, num_shards=args.num_shards,
@@ -253,6 +259,8 @@ def build_parser(config_flags: bool = True):
         add_config_flags(s)
     s.add_argument("--run-dir", help="folder for metrics and checkpoints (default: runs/STRATEGY-xN-TIME)")
     s.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
+    s.add_argument("--processes", type=int, default=1,
+                   help="K: local processes, each training workers/K vmapped workers, joined by MLX's ring")
     s.add_argument("--sample-tokens", type=int, default=100, help="tokens to sample at the end (0: none)")
     s.add_argument("--prompt", default="ROMEO:", help="prompt for the final sample")
     s.set_defaults(func=cmd_sim)
@@ -266,6 +274,8 @@ def build_parser(config_flags: bool = True):
     s.add_argument("--data-worker", type=int, help="which shard this worker trains (default: its rank)")
     s.add_argument("--num-shards", type=int, help="how many shards the data was cut into (default: workers)")
     s.add_argument("--resume-step", type=int, help="resume from this step's checkpoint")
+    s.add_argument("--workers-per-process", type=int, default=1,
+                   help="simulated workers this process trains (sim --processes; 1 on a cluster)")
     s.add_argument("--collective-timeout", type=float, default=60.0,
                    help="seconds a collective may wait for peers before this worker exits")
     s.add_argument("--progress", help="JSON file rewritten every step with step, loss, tokens/s, sync time")

@@ -22,22 +22,27 @@ from .watchdog import watchdog
 
 
 class RingCommunicator(Communicator):
-    def __init__(self, group, timeout_s: float = 60.0):
-        super().__init__(group.size(), [group.rank()])
+    """Process r of K hosts workers r*n .. r*n + n - 1 (n = 1 on a cluster; more in `sim --processes`):
+    sums add the local workers first, gathers concatenate the processes' slices in rank order, and a
+    shift passes each process's last worker to the next process."""
+
+    def __init__(self, group, timeout_s: float = 60.0, workers_per_process: int = 1):
+        n, rank = workers_per_process, group.rank()
+        super().__init__(group.size() * n, list(range(rank * n, rank * n + n)))
         self.group, self.timeout_s = group, timeout_s
         self.send_stream = mx.new_stream(mx.cpu)  # sends run beside the receives they pair with
 
     def _sum_workers(self, x):
-        return mx.distributed.all_sum(x[0], group=self.group, stream=self.stream)
+        return mx.distributed.all_sum(x.sum(axis=0), group=self.group, stream=self.stream)
 
     def _gather_workers(self, x):
         return mx.distributed.all_gather(x, group=self.group, stream=self.stream)
 
     def _shift(self, x):
-        rank, M = self.group.rank(), self.group.size()
-        sent = mx.distributed.send(x[0], (rank + 1) % M, group=self.group, stream=self.send_stream)
-        received = mx.distributed.recv_like(x[0], (rank - 1) % M, group=self.group, stream=self.stream)
-        return mx.depends(received, sent)[None]
+        rank, K = self.group.rank(), self.group.size()
+        sent = mx.distributed.send(x[-1], (rank + 1) % K, group=self.group, stream=self.send_stream)
+        received = mx.distributed.recv_like(x[-1], (rank - 1) % K, group=self.group, stream=self.stream)
+        return mx.concatenate([mx.depends(received, sent)[None], x[:-1]])
 
     @contextmanager
     def _blocked(self, record=None):
@@ -45,7 +50,7 @@ class RingCommunicator(Communicator):
             yield
 
 
-def init_ring(timeout_s: float = 60.0) -> Communicator:
+def init_ring(timeout_s: float = 60.0, workers_per_process: int = 1) -> Communicator:
     """Join the group described by MLX_RANK and MLX_HOSTFILE (under the watchdog: a peer that
     never comes up must not keep this process waiting forever)."""
     hostfile = os.environ.get("MLX_HOSTFILE", "")
@@ -53,7 +58,7 @@ def init_ring(timeout_s: float = 60.0) -> Communicator:
         raise ConfigError(f"MLX_HOSTFILE ({hostfile or 'unset'}) names no file; workers are started by "
                           "'mlx-diloco launch', or by hand with MLX_RANK and MLX_HOSTFILE set")
     if len(json.loads(Path(hostfile).read_text())) == 1:  # alone, MLX's ring would wait for a peer forever
-        return SimCommunicator(1)
+        return SimCommunicator(workers_per_process)
     with watchdog(max(timeout_s, 30.0)):
         group = mx.distributed.init(backend="ring", strict=True)
-    return RingCommunicator(group, timeout_s)
+    return RingCommunicator(group, timeout_s, workers_per_process)

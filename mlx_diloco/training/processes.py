@@ -1,0 +1,83 @@
+"""`mlx-diloco sim --processes K`: the simulator on every core.
+
+K local processes each train N/K vmapped workers (MLX runs a CPU stream's elementwise work on one
+thread, so one process leaves cores idle), joined by MLX's ring over 127.0.0.1: the same worker
+program and ring transport as a real cluster, with K processes of N/K workers instead of N
+machines of one. Every strategy runs unchanged. Each process gets its share of BLAS threads.
+Process 0 reports (progress, metrics, checkpoints in the run folder); a process that fails ends
+the run with its last line; one that hangs is ended by its watchdog.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ..config import ConfigError, TrainConfig
+from . import checkpoint
+
+
+def free_ports(n: int) -> list:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def run_processes(config: TrainConfig, run_dir: Path, processes: int, resume: bool = False,
+                  collective_timeout: float = 60.0, log=print):
+    """Train `config` in `processes` local processes; returns when all have finished."""
+    from .run import check_new_run_dir, load_data, resolve_config
+    from ..models.zoo import load_spec
+    K, run_dir = processes, Path(run_dir)
+    if config.workers % K:
+        raise ConfigError(f"{config.workers} workers do not split over {K} processes; "
+                          "pass --workers as a multiple of --processes")
+    resume_step = checkpoint.latest_step(run_dir) if resume else None
+    if resume and resume_step is None:
+        raise ConfigError(f"nothing to resume in {run_dir}: no checkpoint; drop --resume to start a new run")
+    if not resume:
+        check_new_run_dir(run_dir)
+    config = resolve_config(config)
+    load_data(config, load_spec(config.model), log=log)  # tokenize once here: the processes read the cache
+    threads = str(max(1, (os.cpu_count() or 1) // K))
+    with tempfile.TemporaryDirectory(prefix="mlx-diloco-sim-") as tmp:
+        job, hostfile = Path(tmp) / "config.json", Path(tmp) / "hosts.json"
+        job.write_text(json.dumps(config.to_dict()))
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(K)]))
+        args = [sys.executable, "-m", "mlx_diloco", "worker", "--config", str(job), "--run-dir", str(run_dir),
+                "--workers-per-process", str(config.workers // K), "--collective-timeout", str(collective_timeout)]
+        if resume_step is not None:
+            args += ["--resume-step", str(resume_step)]
+        logs = [Path(tmp) / f"process-{r}.log" for r in range(K)]
+        procs = []
+        for r in range(K):  # process 0 speaks to the terminal; the others to their logs
+            env = {**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile), "OPENBLAS_NUM_THREADS": threads}
+            out = None if r == 0 else open(logs[r], "wb")
+            procs.append(subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT if out else None))
+        try:
+            while any(p.poll() is None for p in procs):
+                # a peer's death makes the others' collectives fail too: name a killed one first
+                failed = sorted(((r, p.returncode) for r, p in enumerate(procs) if p.returncode not in (None, 0)),
+                                key=lambda f: (f[1] > 0, f[0]))
+                if failed:
+                    r, code = failed[0]
+                    tail = logs[r].read_text(errors="replace").strip().splitlines()[-1:] if r else []
+                    raise ConfigError(f"simulator process {r} of {K} failed (exit {code})"
+                                      + (f": {tail[0]}" if tail else "") + "; the run stops, resume it with --resume")
+                time.sleep(0.2)
+            if any(p.returncode for p in procs):
+                raise ConfigError(f"a simulator process failed (exits {[p.returncode for p in procs]}); "
+                                  "resume with --resume")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()

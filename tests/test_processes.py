@@ -1,0 +1,68 @@
+"""`sim --processes K` (issue 12): K local processes of N/K vmapped workers, joined by MLX's ring over
+loopback, train exactly what one process of N workers trains (up to the order of float additions)."""
+
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_map
+
+from conftest import run_cli, tiny_config
+from mlx_diloco.exchange.comm import SimCommunicator
+from mlx_diloco.training import checkpoint
+from mlx_diloco.training.run import Run
+
+FLAGS = ["--model", "tiny", "--seq-len", "16", "--batch-size", "4", "--workers", "4", "--steps", "12",
+         "--eval-batches", "2", "--warmup", "2", "--sample-tokens", "0", "--compress", "fp32"]  # as tiny_config
+
+
+def global_model(state):
+    return dict(tree_flatten(state.get("strategy", {}).get("global")
+                             or tree_map(lambda p: p[0], state["workers"]["params"])))
+
+
+@pytest.mark.parametrize("strategy", [["--strategy", "diloco", "--sync-every", "4"], ["--strategy", "ddp"],
+                                      ["--strategy", "diloco", "--sync-every", "4", "--fragments", "2",
+                                       "--overlap-steps", "1"]], ids=["diloco", "ddp", "streaming"])
+def test_two_processes_train_like_one(tmp_path, strategy):
+    out = run_cli("sim", *FLAGS, *strategy, "--processes", "2", "--run-dir", tmp_path / "k2")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "final eval loss" in out.stdout
+    options = dict(zip([a.lstrip("-").replace("-", "_") for a in strategy[::2]], strategy[1::2]))
+    config = tiny_config(workers=4, compress="fp32", **{k: int(v) if v.isdigit() else v for k, v in options.items()})
+    one = Run(config, tmp_path / "k1", SimCommunicator(4), log=lambda m: None)
+    one.train()
+    got = global_model(checkpoint.load(tmp_path / "k2", log=lambda m: None)[0])
+    for k, v in tree_flatten(one.global_params()):
+        np.testing.assert_allclose(np.array(got[k]), np.array(v), rtol=1e-4, atol=1e-6, err_msg=k)
+    # the second process checkpoints its workers (2 and 3) beside the run
+    assert checkpoint.latest_step(tmp_path / "k2" / "worker-2") == 12
+
+
+def test_workers_must_split_over_processes(tmp_path):
+    out = run_cli("sim", *FLAGS, "--processes", "3", "--run-dir", tmp_path / "r")
+    assert out.returncode == 2 and "4 workers do not split over 3 processes" in out.stderr
+
+
+def test_a_dead_process_ends_the_run_with_a_clear_line(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_diloco", "sim", *FLAGS[:9], "100000", *FLAGS[10:],
+                             "--processes", "2", "--run-dir", str(tmp_path / "r")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline, victim = time.time() + 120, None
+    while victim is None and time.time() < deadline:  # the process of rank 1, once it trains
+        time.sleep(0.5)
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmd, env = open(f"/proc/{pid}/cmdline", "rb").read(), open(f"/proc/{pid}/environ", "rb").read()
+            except OSError:
+                continue
+            if b"--workers-per-process" in cmd and b"MLX_RANK=1\0" in env and str(tmp_path).encode() in cmd:
+                victim = int(pid)
+    assert victim, "the second process never started"
+    time.sleep(5)
+    os.kill(victim, signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "simulator process 1 of 2 failed (exit -9)" in err and "--resume" in err, err[-1000:]
