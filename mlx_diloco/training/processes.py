@@ -31,6 +31,19 @@ def free_ports(n: int) -> list:
     return ports
 
 
+def failure(procs: list, logs: list) -> str:
+    """One line on the process that failed, or ''. A peer's death makes the others' collectives
+    fail too, so a process killed by a signal is named before one that exited with an error."""
+    failed = sorted(((r, p.returncode) for r, p in enumerate(procs) if p.poll() not in (None, 0)),
+                    key=lambda f: (f[1] > 0, f[0]))
+    if not failed:
+        return ""
+    r, code = failed[0]
+    tail = logs[r].read_text(errors="replace").strip().splitlines()[-1:] if r else []
+    return (f"simulator process {r} of {len(procs)} failed (exit {code})" + (f": {tail[0]}" if tail else "")
+            + "; the run stops, resume it with --resume")
+
+
 def run_processes(config: TrainConfig, run_dir: Path, processes: int, resume: bool = False,
                   collective_timeout: float = 60.0, log=print):
     """Train `config` in `processes` local processes; returns when all have finished."""
@@ -63,19 +76,10 @@ def run_processes(config: TrainConfig, run_dir: Path, processes: int, resume: bo
             out = None if r == 0 else open(logs[r], "wb")
             procs.append(subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT if out else None))
         try:
-            while any(p.poll() is None for p in procs):
-                # a peer's death makes the others' collectives fail too: name a killed one first
-                failed = sorted(((r, p.returncode) for r, p in enumerate(procs) if p.returncode not in (None, 0)),
-                                key=lambda f: (f[1] > 0, f[0]))
-                if failed:
-                    r, code = failed[0]
-                    tail = logs[r].read_text(errors="replace").strip().splitlines()[-1:] if r else []
-                    raise ConfigError(f"simulator process {r} of {K} failed (exit {code})"
-                                      + (f": {tail[0]}" if tail else "") + "; the run stops, resume it with --resume")
+            while any(p.poll() is None for p in procs) and not failure(procs, logs):
                 time.sleep(0.2)
-            if any(p.returncode for p in procs):
-                raise ConfigError(f"a simulator process failed (exits {[p.returncode for p in procs]}); "
-                                  "resume with --resume")
+            if why := failure(procs, logs):
+                raise ConfigError(why)
         finally:
             for p in procs:
                 if p.poll() is None:
