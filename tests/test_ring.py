@@ -3,7 +3,6 @@ same parameters as the simulator."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -15,17 +14,8 @@ from mlx.utils import tree_flatten, tree_map
 from conftest import tiny_config
 from mlx_diloco.training import checkpoint
 from mlx_diloco.exchange.comm import SimCommunicator
+from mlx_diloco.training.processes import free_ports
 from mlx_diloco.training.run import Run
-
-
-def free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def run_ranks(tmp_path, n, args, timeout=240):
