@@ -86,8 +86,11 @@ class DiLoCo(Strategy):
                 for f in self.parts:
                     f.global_values = gather(flat, f.pieces)[0]
             return params
+        final = step == self.steps
+        if not final and not any(f.is_send_step(step - K) or f.apply_at == step for f in self.parts):
+            return params  # most steps: nothing to sync
         flat = dict(tree_flatten(params))
-        if step == self.steps:  # the end: land what is in flight, then sync every fragment now
+        if final:  # the end: land what is in flight, then sync every fragment now
             for f in self.parts:
                 if f.pending is not None:
                     flat = f.perform_sync(flat)
