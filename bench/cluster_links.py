@@ -109,13 +109,18 @@ def main():
                     lines.append(line)
             finally:
                 cluster.close()
-    lines += ["in sync/sync: rank 0's time blocked in each exchange while training (includes waiting for the",
-              "  slower peer: the emulated hosts share 2 cores); all-reduce: a standalone ring all-reduce of the",
-              "  same payload between the hosts (median of 5); modelled: the simulator's ring model for the link.",
-              "util (measured): compute / (compute + time in sync); util (modelled): with the modelled exchange."]
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    save_table(lines + [
+        "in sync/sync: rank 0's time blocked in each exchange while training (includes waiting for the",
+        "  slower peer: the emulated hosts share 2 cores); all-reduce: a standalone ring all-reduce of the",
+        "  same payload between the hosts (median of 5); modelled: the simulator's ring model for the link.",
+        "util (measured): compute / (compute + time in sync); util (modelled): with the modelled exchange."], args.out)
+
+
+def save_table(lines: list, out):
+    """Write the table (title, header, rows, notes) to `out` and print all but the title."""
+    Path(out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines[1:]))
-    print(f"saved {args.out}")
+    print(f"saved {out}")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ def main():
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "cluster_streaming.txt"))
     args = p.parse_args()
     ensure_fast_blas([__file__, *sys.argv[1:]])
-    from cluster_links import run_job
+    from cluster_links import run_job, save_table
     from emulated import EmulatedCluster, can_build
     if why := can_build():
         raise SystemExit(f"cannot build the emulated cluster: {why}")
@@ -65,13 +65,11 @@ def main():
                 lines.append(line)
         finally:
             cluster.close()
-    lines += ["blocked/exchange: rank 0's measured time blocked per exchange (starting it and waiting for its",
-              "  result; includes waiting for the slower peer); modelled/exchange: the network model's time.",
-              "util (measured): compute / (compute + blocked); util (modelled): compute / (compute + the",
-              "  modelled exchange time that the overlapped steps do not hide)."]
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[1:]))
-    print(f"saved {args.out}")
+    save_table(lines + [
+        "blocked/exchange: rank 0's measured time blocked per exchange (starting it and waiting for its",
+        "  result; includes waiting for the slower peer); modelled/exchange: the network model's time.",
+        "util (measured): compute / (compute + blocked); util (modelled): compute / (compute + the",
+        "  modelled exchange time that the overlapped steps do not hide)."], args.out)
 
 
 if __name__ == "__main__":

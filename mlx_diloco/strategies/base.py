@@ -18,7 +18,7 @@ inner step counter, which every worker agrees on, so a sync schedule can never d
 """
 
 import difflib
-from dataclasses import asdict, fields
+from dataclasses import asdict, field, fields
 
 import mlx.optimizers as optim
 from mlx.utils import tree_map
@@ -28,7 +28,6 @@ from ..config import ConfigError, checked_value
 
 def option(default, help: str, **kwargs):
     """A strategy option: its default and the one line that `--help` shows."""
-    from dataclasses import field
     return field(default=default, metadata={"help": help}, **kwargs)
 
 
