@@ -38,12 +38,6 @@ class ModelSpec:
         return self.params.get("language_model", self.type != "cnn")
 
     @property
-    def vmappable(self):
-        # MLX 0.32 cannot vmap the gradient of conv2d ("not implemented for AsStrided"); a builder's
-        # model is tried, and trained one replica after another if MLX cannot vmap it
-        return "auto" if self.type == "python" else self.type != "cnn"
-
-    @property
     def context_length(self):
         p = self.params
         return p.get("context_length") or p.get("max_position_embeddings") or 2048

@@ -89,13 +89,13 @@ class Parts:
 
 
 def parts_from_config(config: TrainConfig, log=print, shard_dir=None) -> Parts:
-    """The model, data and strategy a config names (the CLI, the cluster worker)."""
+    """The model, data and strategy a config names (the CLI, the cluster worker); the config has
+    been through resolve_config, which checked the strategy against the model."""
     spec = load_spec(config.model)
-    strategy = config.make_strategy()
-    strategy.check_model(spec)
     data = load_data(config, spec, log=log, shard_dir=shard_dir)
-    return Parts(build_model(spec, seed=config.seed), data, strategy, vectorize=config.vectorize and spec.vmappable,
-                 spec=spec)
+    # "auto": vmapped unless MLX cannot vmap the model (conv2d's gradient), which the first step shows
+    return Parts(build_model(spec, seed=config.seed), data, config.make_strategy(),
+                 vectorize="auto" if config.vectorize else False, spec=spec)
 
 
 @dataclass
@@ -135,8 +135,6 @@ class Run:
         period = self.strategy.sync_every
         self.eval_every = config.eval_every or period or 50
         self.checkpoint_every = period or self.eval_every
-        if config.vectorize and parts.vectorize is False and comm.n_local > 1:
-            log(f"model '{config.model}' cannot be vmapped in MLX; training its replicas one after another")
         self.workers = Workers(model, comm.n_local, config, self.strategy.inner_optimizer(config),
                                clip=self.strategy.clip_gradients, vectorize=parts.vectorize, loss=parts.loss, log=log)
         self.data_workers = comm.local_workers if place.data_worker is None else [place.data_worker]
