@@ -8,21 +8,30 @@
 `loss_fn(model, x, y)` returns a scalar (the mlx-lm convention). Data is a tuple of arrays
 (inputs, targets) split along the first axis, or an iterable of (x, y) batches. The run is the
 same as `mlx-diloco sim`'s (train.Run): progress, metrics.jsonl, checkpoints and resume.
+
+`model` is an `nn.Module`, or what rebuilds one in another process: a preset name, a preset file,
+an mlx-lm model folder or an importable builder 'package.module:function'. Given one of those, an
+importable `loss_fn` and arrays, `fit` trains in K processes as `sim` does (one per core on a CPU).
 """
 
 import copy
+import json
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_map
 
 from .config import ConfigError, TrainConfig, from_dict
 from .data.datasets import ArrayExamples, BatchStream, Dataset
 from .exchange.comm import SimCommunicator
 from .exchange.network import modelled_time, parse_link
+from .models.zoo import build_model, load_spec
+from .training import checkpoint
 from .training.metrics import MetricsLog
+from .training.processes import choose_processes, run_processes
 from .training.run import Parts, Run
 
 
@@ -55,29 +64,55 @@ class FitResult:
         return modelled_time(self.summary["compute_s"], self.exchanges, self.step_s, parse_link(link))
 
 
+def importable(fn) -> str:
+    """'package.module:function' if a fresh process can import `fn` under that name, else ''."""
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not module or module == "__main__" or "." in name or "<" in name:
+        return ""
+    try:
+        import importlib
+        return f"{module}:{name}" if getattr(importlib.import_module(module), name, None) is fn else ""
+    except ImportError:
+        return ""
+
+
 class Trainer:
     def __init__(self, model, loss_fn, train_data, eval_data=None, batch_size: int = 16, *, lr: float = 1e-3,
                  warmup: int = 50, weight_decay: float = 0.1, grad_clip: float = 1.0, eval_batches: int = 8,
                  eval_every: int = 0, seed: int = 0, link: str = "1gbe", run_dir=None, log=print):
         self.model, self.loss_fn, self.run_dir, self.log = model, loss_fn, run_dir, log
+        self.said_one_process = False
         self.train = examples(train_data, "train_data")
         # Without eval data the training data is evaluated (pass eval_data when train_data is a one-shot generator).
         self.eval = examples(train_data if eval_data is None else eval_data, "eval_data", batches=eval_batches)
         self.settings = dict(batch_size=batch_size, lr=lr, warmup=warmup, weight_decay=weight_decay,
                              grad_clip=grad_clip, eval_batches=eval_batches, eval_every=eval_every, seed=seed, link=link)
 
-    def fit(self, strategy, workers: int = 4, steps: int = 1000, resume: bool = False, run_dir=None) -> FitResult:
+    def fit(self, strategy, workers: int = 4, steps: int = 1000, resume: bool = False, run_dir=None,
+            processes: int = 0) -> FitResult:
         """Train `workers` simulated replicas for `steps` inner steps each with `strategy`, in `run_dir`
-        (default: the Trainer's run_dir, else a new temporary folder); `resume` continues a run there."""
+        (default: the Trainer's run_dir, else a new temporary folder); `resume` continues a run there.
+        `processes`: K processes of workers/K replicas (0: as `sim` chooses, where the model can be rebuilt)."""
         config = from_dict(TrainConfig, {**self.settings, "workers": workers, "steps": steps, "model": "api",
                                          "data": "api", "strategy": strategy.name}, what="Trainer option")
         config.strategy_options = strategy.options()
         config.check_values()
         run_dir = Path(run_dir or self.run_dir or tempfile.mkdtemp(prefix=f"mlx-diloco-{strategy.name}-"))
+        K = choose_processes(workers, processes, run_dir, resume)
+        if K > 1 and (why := self.why_one_process()):
+            if processes or not self.said_one_process:
+                self.log(f"training in one process: {why}")
+            self.said_one_process, K = True, 1
+        if K > 1:
+            return self.fit_in_processes(config, run_dir, K, resume)
         if isinstance(self.train, BatchStream):
             self.train = BatchStream(self.train.batches)  # a fresh cursor for every fit
         data = Dataset(self.train, self.eval)
-        model = copy.deepcopy(self.model)  # every fit starts from the same initial weights
+        if isinstance(self.model, str):
+            spec = load_spec(self.model)
+            model = build_model(spec, seed=config.seed)
+        else:
+            model = copy.deepcopy(self.model)  # every fit starts from the same initial weights
         parts = Parts(model, data, copy.deepcopy(strategy), loss=self.loss_fn)
         run = Run(config, run_dir, SimCommunicator(workers), resume=resume, log=self.log, parts=parts)
         summary = run.train()
@@ -85,3 +120,31 @@ class Trainer:
         mx.eval(model.parameters())
         return FitResult(model, MetricsLog.read(run_dir), run.bytes_sent, summary, run_dir,
                          run.exchange_log, run.compute_s / max(run.step, 1))
+
+    def why_one_process(self) -> str:
+        """Why the replicas cannot be trained in other processes ('' if they can)."""
+        if not isinstance(self.model, str):
+            return ("the model is an object; give Trainer a preset name, a model folder or a builder "
+                    "'package.module:function' to train in several processes")
+        if self.loss_fn is not None and not importable(self.loss_fn):
+            return "loss_fn cannot be imported by another process (define it at the top level of a module)"
+        if isinstance(self.train, BatchStream):
+            return "the training data is an iterable of batches (give (inputs, targets) arrays)"
+        return ""
+
+    def fit_in_processes(self, config: TrainConfig, run_dir: Path, K: int, resume: bool) -> FitResult:
+        """`sim --processes K` on the Trainer's parts: the arrays go to a file in the run folder."""
+        data_file = run_dir / "data.npz"
+        if not resume:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            np.savez(data_file, train_inputs=self.train.inputs, train_targets=self.train.targets,
+                     eval_inputs=self.eval.inputs, eval_targets=self.eval.targets)
+        loss = importable(self.loss_fn) if self.loss_fn is not None else ""
+        config = replace(config, model=self.model, data=str(data_file), loss=loss)
+        run_processes(config, run_dir, K, resume=resume, log=self.log)
+        state, meta = checkpoint.load(run_dir, log=lambda m: None)
+        model = build_model(load_spec(self.model), seed=config.seed)
+        model.update(tree_map(lambda p: p[0], state["workers"]["params"]))  # the replicas end synced
+        summary = json.loads((run_dir / "summary.json").read_text())
+        return FitResult(model, MetricsLog.read(run_dir), summary["bytes_sent_per_worker"], summary, run_dir,
+                         [tuple(e) for e in meta["exchange_log"]], meta["compute_s"] / max(meta["step"], 1))

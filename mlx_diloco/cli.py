@@ -30,6 +30,10 @@ HELP = {
     "seed": "random seed (model init, data order)",
     "link": "network for the time model: tb5, tb4, 10gbe, 1gbe, wifi, internet, or e.g. '100mbit/20ms'",
     "vectorize": "train simulated workers together with mx.vmap (--no-vectorize: one after another)",
+    "loss": "loss function 'package.module:function' taking (model, x, y) (default: cross-entropy)",
+    "precision": "fp32, or bf16: weights, activations and gradients in bfloat16 (AdamW moments stay fp32)",
+    "moments_precision": "AdamW moments in fp32, or bf16 (half their memory)",
+    "grad_checkpoint": "recompute each block's activations in the backward pass: less memory, ~30%% more compute",
 }
 
 
@@ -87,11 +91,10 @@ def cmd_sim(args):
     run_dir = Path(args.run_dir or f"runs/{config.strategy}-x{config.workers}-{time.strftime('%Y%m%d-%H%M%S')}")
     args.on_interrupt = f"continue with: mlx-diloco sim --resume --run-dir {run_dir}"
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
-    if args.processes > 1:
-        from .training.processes import run_processes
-        print(f"{config.strategy} with {config.workers} simulated workers in {args.processes} processes, "
-              f"model {config.model}, data {config.data} -> {run_dir}", file=sys.stderr)
-        run_processes(config, run_dir, args.processes, resume=args.resume, log=log)
+    from .training.processes import choose_processes, run_processes
+    processes = choose_processes(config.workers, args.processes, run_dir, args.resume)
+    if processes > 1:
+        run_processes(config, run_dir, processes, resume=args.resume, log=log)
     else:
         run = Run(config, run_dir, SimCommunicator(config.workers), resume=args.resume, log=log)
         print(f"{run.config.strategy} with {run.config.workers} simulated workers, model {run.config.model} "
@@ -209,6 +212,9 @@ def print_summary(s):
           f"{s['tokens']:,} tokens, final eval loss {s['final_eval_loss']:.4f}")
     print(f"each worker sent {human_bytes(s['bytes_sent_per_worker'])}; on {s['link']}: compute "
           f"{s['compute_s']:.1f} s + exchange {s['modelled_comm_s']:.2f} s, utilisation {s['utilisation']:.1%}")
+    if s.get("peak_memory_bytes"):
+        print(f"peak memory {human_bytes(s['peak_memory_bytes'])} per process ({s['workers_per_process']} "
+              f"worker{'s' if s['workers_per_process'] > 1 else ''} each)")
 
 
 def cmd_plan(args):
@@ -259,8 +265,9 @@ def build_parser(config_flags: bool = True):
         add_config_flags(s)
     s.add_argument("--run-dir", help="folder for metrics and checkpoints (default: runs/STRATEGY-xN-TIME)")
     s.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
-    s.add_argument("--processes", type=int, default=1,
-                   help="K: local processes, each training workers/K vmapped workers, joined by MLX's ring")
+    s.add_argument("--processes", type=int, default=0,
+                   help="K: local processes, each training workers/K vmapped workers, joined by MLX's ring "
+                        "(default 0: one per core when training on the CPU, else 1)")
     s.add_argument("--sample-tokens", type=int, default=100, help="tokens to sample at the end (0: none)")
     s.add_argument("--prompt", default="ROMEO:", help="prompt for the final sample")
     s.set_defaults(func=cmd_sim)

@@ -42,6 +42,7 @@ def from_dict(cls, params, what: str):
     return cls(**{k: checked_value(k, v, types[k]) for k, v in params.items()})
 
 
+PRECISIONS = ("fp32", "bf16")
 DEFAULT_MAX_SEQ_LEN = 1024  # what seq-len 0 stands for at most (a model folder may allow 32K)
 
 
@@ -71,6 +72,11 @@ class TrainConfig:
     seed: int = 0
     link: str = "1gbe"              # network preset (or 'BW[/LATENCY]', e.g. '100mbit/20ms') for the time model
     vectorize: bool = True          # train simulated workers with mx.vmap (False: one after another)
+    loss: str = ""                  # '' cross-entropy; or an importable loss function 'package.module:function'
+    # Memory (issue 11): what the replicas are stored and computed in
+    precision: str = "fp32"         # fp32, or bf16: weights, activations, gradients (models/precision.py)
+    moments_precision: str = "fp32"  # AdamW's moments: fp32, or bf16 (half their memory)
+    grad_checkpoint: bool = False   # recompute each block's activations in the backward pass (mx.checkpoint)
 
     @classmethod
     def from_dict(cls, params: dict, check_strategy: bool = True) -> "TrainConfig":
@@ -147,3 +153,7 @@ class TrainConfig:
             need(0 <= getattr(self, name) < 1, f"{name} must be in [0, 1) (got {getattr(self, name)})")
         need(self.grad_clip >= 0, f"grad-clip must be >= 0, 0 disables it (got {self.grad_clip})")
         need(self.eval_every >= 0 and self.eval_batches >= 1, "eval-every must be >= 0 and eval-batches >= 1")
+        for key in ("precision", "moments_precision"):
+            need(getattr(self, key) in PRECISIONS,
+                 f"{key.replace('_', '-')} must be one of {', '.join(PRECISIONS)} (got '{getattr(self, key)}')")
+        need(not self.loss or ":" in self.loss, f"loss '{self.loss}' must name a function as 'package.module:function'")

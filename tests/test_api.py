@@ -122,3 +122,39 @@ def test_a_model_builder_runs_from_the_command_line(tmp_path):
     assert "final eval loss" in out.stdout and "sample:" in out.stdout
     bad = run_cli("sim", "--model", "nosuchmodule:build", "--run-dir", tmp_path / "x")
     assert bad.returncode == 2 and "cannot load model builder 'nosuchmodule:build'" in bad.stderr
+
+
+def test_a_rebuildable_model_trains_in_processes_like_in_one(tmp_path, monkeypatch):
+    """Issue 12: a builder, an importable loss and arrays go to K processes (sim --processes);
+    a model object says once why it stays in one process."""
+    (tmp_path / "blobmodels.py").write_text(
+        "import mlx.nn as nn\n\n"
+        "class MLP(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.l1, self.l2 = nn.Linear(8, 32), nn.Linear(32, 3)\n\n"
+        "    def __call__(self, x):\n"
+        "        return self.l2(nn.relu(self.l1(x)))\n\n"
+        "def mlp():\n"
+        "    return MLP()\n\n"
+        "def loss(model, x, y):\n"
+        "    return nn.losses.cross_entropy(model(x), y, reduction='mean')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import blobmodels
+    x, y = blobs()
+    said = []
+    trainer = Trainer("blobmodels:mlp", blobmodels.loss, (x[:1000], y[:1000]), (x[1000:], y[1000:]), lr=3e-3,
+                      warmup=5, eval_batches=4, log=said.append)
+    fits = [trainer.fit(DiLoCo(sync_every=10, compress="fp32"), workers=4, steps=30, processes=K,
+                        run_dir=tmp_path / f"k{K}") for K in (1, 2)]
+    assert any("in 2 processes" in m for m in said)
+    assert (tmp_path / "k2" / "worker-2").is_dir()  # the second process checkpointed its workers there
+    assert fits[1].summary["final_eval_loss"] == pytest.approx(fits[0].summary["final_eval_loss"], rel=1e-4)
+    assert fits[1].bytes_sent == fits[0].bytes_sent and len(fits[1].exchanges) == len(fits[0].exchanges)
+    probe = mx.array(x[1000:1010])
+    np.testing.assert_allclose(np.array(fits[1].model(probe)), np.array(fits[0].model(probe)), rtol=1e-3, atol=1e-4)
+    said.clear()
+    for _ in range(2):
+        Trainer(MLP(), loss_fn, (x, y), eval_batches=2, log=said.append).fit(DiLoCo(sync_every=5), workers=2,
+                                                                              steps=5, processes=2)
+    assert sum("training in one process: the model is an object" in m for m in said) == 2  # asked for: each time

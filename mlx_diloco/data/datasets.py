@@ -304,9 +304,26 @@ def load_shard(folder: Path) -> Dataset:
     return Dataset(train, val, folder / "tokenizer", meta["vocab_size"], is_shard=True)
 
 
+def prepare_arrays(path: Path) -> Dataset:
+    """Examples saved as arrays (`np.savez`): train_inputs, train_targets, and optionally
+    eval_inputs, eval_targets (else the training examples are evaluated)."""
+    if not Path(path).is_file():
+        raise ConfigError(f"data file {path} does not exist")
+    arrays = np.load(path)
+    missing = {"train_inputs", "train_targets"} - set(arrays.files)
+    if missing:
+        raise ConfigError(f"{path} lacks {', '.join(sorted(missing))}; save it with "
+                          "np.savez(path, train_inputs=X, train_targets=Y, eval_inputs=..., eval_targets=...)")
+    split = "eval" if "eval_inputs" in arrays.files else "train"
+    return Dataset(ArrayExamples(arrays["train_inputs"], arrays["train_targets"]),
+                   ArrayExamples(arrays[f"{split}_inputs"], arrays[f"{split}_targets"]))
+
+
 def prepare(source: str, seq_len: int, vocab_size: int, tokenizer: str = "", log=print) -> Dataset:
     if source == FASHION_MNIST:
         return prepare_fashion_mnist()
+    if source.endswith(".npz"):
+        return prepare_arrays(Path(source))
     return prepare_text(source, seq_len, vocab_size, tokenizer, log=log)
 
 

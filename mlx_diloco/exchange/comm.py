@@ -138,11 +138,17 @@ class Communicator:
         raise NotImplementedError
 
     @contextmanager
+    def _watched(self):
+        """Around every wait on another process (a transport adds its watchdog)."""
+        yield
+
+    @contextmanager
     def _blocked(self, record: CollectiveRecord = None):
-        """Around every wait on an exchange: counts the time (a transport may add a watchdog)."""
+        """Around every wait on an exchange: counts the time."""
         t0 = time.perf_counter()
         try:
-            yield
+            with self._watched():
+                yield
         finally:
             waited = time.perf_counter() - t0
             self.wait_s += waited
@@ -227,6 +233,14 @@ class Communicator:
         with mx.stream(self.stream):
             out = unpack(self._gather_workers(pack(wire)), wire)
         return Pending(self, out, record, finish=lambda out: out).result()
+
+    def gather_metric(self, values: mx.array) -> list:
+        """Every worker's value of a per-worker measurement (e.g. its eval loss): (n_local,) -> a list
+        of num_workers floats. Bookkeeping, not part of the algorithm: not counted as an exchange."""
+        with mx.stream(self.stream):
+            out = self._gather_workers(values.astype(mx.float32))
+        with self._watched():
+            return out.tolist()
 
     def broadcast_local(self, tree):
         """Give every local worker the same values: (...) -> (n_local, ...)."""

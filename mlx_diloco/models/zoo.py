@@ -96,14 +96,14 @@ def checked_spec(spec: ModelSpec) -> ModelSpec:
 OWN_TYPES = ("gpt", "cnn", "mlx-lm", "python")  # a model folder, a builder; any other type: an mlx-lm architecture
 
 
-def import_builder(target: str):
+def import_builder(target: str, what: str = "model builder"):
     """The function `package.module:function` names."""
     import importlib
     module, _, function = target.partition(":")
     try:
         return getattr(importlib.import_module(module), function)
     except (ImportError, AttributeError) as e:
-        raise ConfigError(f"cannot load model builder '{target}' ({type(e).__name__}: {e}); make the module "
+        raise ConfigError(f"cannot load {what} '{target}' ({type(e).__name__}: {e}); make the module "
                           "importable (pip install it, or put its folder on PYTHONPATH) on every machine") from None
 
 
@@ -124,9 +124,10 @@ def mlx_lm_classes(spec: ModelSpec):
     return model_cls, args_cls
 
 
-def build_model(spec: ModelSpec, seed: int = 0) -> nn.Module:
+def build_model(spec: ModelSpec, seed: int = 0, lazy: bool = False) -> nn.Module:
     """Build the model, randomly initialised from `seed` (or with its weights, for a model folder).
-    The vocabulary size is the preset's; the BPE tokenizer is trained to that size."""
+    The vocabulary size is the preset's; the BPE tokenizer is trained to that size. `lazy` leaves
+    the weights uncomputed: the model's shape without its memory (to count parameters)."""
     mx.random.seed(seed)
     params = {k: v for k, v in spec.params.items() if k != "type"}
     if spec.type == "gpt":
@@ -143,7 +144,8 @@ def build_model(spec: ModelSpec, seed: int = 0) -> nn.Module:
     else:
         model_cls, args_cls = mlx_lm_classes(spec)
         model = model_cls(args_cls.from_dict({**params, "model_type": spec.type}))
-    mx.eval(model.parameters())
+    if not lazy:
+        mx.eval(model.parameters())
     return model
 
 

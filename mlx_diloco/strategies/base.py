@@ -20,6 +20,7 @@ inner step counter, which every worker agrees on, so a sync schedule can never d
 import difflib
 from dataclasses import asdict, field, fields
 
+import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_map
 
@@ -40,10 +41,29 @@ def lr_schedule(config, peak: float = None):
         if warmup > 0 else cosine
 
 
+class AdamW(optim.AdamW):
+    """MLX's AdamW with its moments held in `moments_dtype`, every update computed in fp32 and
+    rounded to the parameter's dtype (bf16 weights with fp32 or bf16 moments; all fp32: MLX's AdamW)."""
+
+    def __init__(self, *args, moments_dtype=mx.float32, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.moments_dtype = moments_dtype
+
+    def init_single(self, parameter, state):
+        state["m"] = mx.zeros(parameter.shape, self.moments_dtype)
+        state["v"] = mx.zeros(parameter.shape, self.moments_dtype)
+
+    def apply_single(self, gradient, parameter, state):
+        new = super().apply_single(gradient.astype(mx.float32), parameter.astype(mx.float32), state)
+        state["m"], state["v"] = state["m"].astype(self.moments_dtype), state["v"].astype(self.moments_dtype)
+        return new.astype(parameter.dtype)
+
+
 def default_inner_optimizer(config) -> optim.AdamW:
     """AdamW as PyTorch and the DiLoCo papers use it: bias correction, warmup then cosine."""
-    return optim.AdamW(learning_rate=lr_schedule(config), betas=[config.beta1, config.beta2], eps=1e-8,
-                       weight_decay=config.weight_decay, bias_correction=True)
+    return AdamW(learning_rate=lr_schedule(config), betas=[config.beta1, config.beta2], eps=1e-8,
+                 weight_decay=config.weight_decay, bias_correction=True,
+                 moments_dtype=mx.bfloat16 if config.moments_precision == "bf16" else mx.float32)
 
 
 class Strategy:

@@ -12,7 +12,8 @@ pre-trained model; the outer schedule then counts from K.
 from dataclasses import dataclass
 
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten, tree_unflatten
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ..exchange.codecs import get_codec
 from .base import Strategy, mean_gradients, option
@@ -65,7 +66,8 @@ class DiLoCo(Strategy):
 
     def setup(self, params):
         P, H = self.fragments, self.sync_every
-        self.template = params
+        # The tree's shape, not its values: holding the initial weights would keep a model's worth of memory.
+        self.template = tree_map(lambda p: mx.zeros(p.shape, p.dtype), params)
         flat = {k: v[None] for k, v in tree_flatten(params)}
         self.parts = [  # one Fragment (its global values, outer state, exchange) per part of the model
             Fragment(p, pieces, gather(flat, pieces)[0], self.outer_optimizer(), H, offset=H * (p + 1) // P % H,

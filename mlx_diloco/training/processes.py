@@ -21,6 +21,35 @@ from ..config import ConfigError, TrainConfig
 from . import checkpoint
 
 
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def saved_processes(run_dir: Path) -> int:
+    """How many processes trained the run in `run_dir`: process r > 0 checkpoints into worker-FIRST."""
+    return 1 + sum(1 for d in Path(run_dir).glob("worker-*") if checkpoint.latest_step(d) is not None)
+
+
+def choose_processes(workers: int, requested: int = 0, run_dir=None, resume: bool = False) -> int:
+    """K for `sim`: as requested, as the resumed run had it, or by default one per core on a machine
+    that trains on the CPU (bench/throughput.py: 2 processes of 2 workers run ~1.5x the tokens/s of
+    one process of 4 on 2 cores), the largest count that divides the workers; 1 on a GPU."""
+    if requested < 0:
+        raise ConfigError(f"--processes must be >= 1, or 0 for one per core (got {requested})")
+    if resume:
+        saved = saved_processes(run_dir)
+        if requested and requested != saved:
+            raise ConfigError(f"the run in {run_dir} was trained in {saved} processes; drop --processes "
+                              f"or pass --processes {saved}")
+        return saved
+    if requested:
+        return requested
+    import mlx.core as mx
+    if mx.default_device() != mx.cpu:
+        return 1
+    return max(k for k in range(1, min(usable_cores(), workers) + 1) if workers % k == 0)
+
+
 def free_ports(n: int) -> list:
     socks = [socket.socket() for _ in range(n)]
     for s in socks:
@@ -60,7 +89,9 @@ def run_processes(config: TrainConfig, run_dir: Path, processes: int, resume: bo
         check_new_run_dir(run_dir)
     config = resolve_config(config)
     load_data(config, load_spec(config.model), log=log)  # tokenize once here: the processes read the cache
-    threads = str(max(1, (os.cpu_count() or 1) // K))
+    log(f"{config.strategy} with {config.workers} simulated workers in {K} processes, model {config.model}, "
+        f"data {config.data} -> {run_dir}")
+    threads = str(max(1, usable_cores() // K))  # BLAS threads: K processes share the cores, no more
     with tempfile.TemporaryDirectory(prefix="mlx-diloco-sim-") as tmp:
         job, hostfile = Path(tmp) / "config.json", Path(tmp) / "hosts.json"
         job.write_text(json.dumps(config.to_dict()))
@@ -70,9 +101,12 @@ def run_processes(config: TrainConfig, run_dir: Path, processes: int, resume: bo
         if resume_step is not None:
             args += ["--resume-step", str(resume_step)]
         logs = [Path(tmp) / f"process-{r}.log" for r in range(K)]
+        # The processes import what this one can (a model builder or loss function named by module).
+        python_path = os.pathsep.join(p for p in sys.path if p and Path(p).is_dir())
         procs = []
         for r in range(K):  # process 0 speaks to the terminal; the others to their logs
-            env = {**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile), "OPENBLAS_NUM_THREADS": threads}
+            env = {**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile), "OPENBLAS_NUM_THREADS": threads,
+                   "PYTHONPATH": python_path}
             out = None if r == 0 else open(logs[r], "wb")
             procs.append(subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT if out else None))
         try:

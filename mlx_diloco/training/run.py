@@ -21,7 +21,8 @@ from ..config import DEFAULT_MAX_SEQ_LEN, ConfigError, TrainConfig
 from ..data.datasets import EMBEDDED, FASHION_MNIST, BatchStream, ShardSampler, load_shard, prepare
 from ..exchange.comm import Communicator
 from ..exchange.network import exchange_time, parse_link
-from ..models.zoo import build_model, count_parameters, load_spec
+from ..models.precision import checkpoint_blocks, to_bf16
+from ..models.zoo import build_model, count_parameters, import_builder, load_spec
 from . import checkpoint
 from .metrics import MetricsLog, human_bytes
 from .workers import Workers
@@ -52,11 +53,12 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
                      data=absolute(config.data, names=(EMBEDDED, FASHION_MNIST)),
                      tokenizer=absolute(config.tokenizer))
     spec = load_spec(config.model)
-    if spec.is_language_model != (config.data != FASHION_MNIST):
+    arrays = config.data.endswith(".npz")  # examples as arrays (the API's data): any model, no tokens
+    if not arrays and spec.is_language_model != (config.data != FASHION_MNIST):
         raise ConfigError(f"model '{config.model}' does not fit data '{config.data}': "
                           "the cnn preset trains on fashion-mnist, language models on text")
     config.make_strategy().check_model(spec)
-    if config.seq_len == 0 and spec.is_language_model:
+    if config.seq_len == 0 and spec.is_language_model and not arrays:
         config = replace(config, seq_len=min(spec.context_length, DEFAULT_MAX_SEQ_LEN))
     if spec.is_language_model and config.seq_len > spec.context_length:
         raise ConfigError(f"seq-len {config.seq_len} exceeds model '{config.model}' context "
@@ -93,8 +95,9 @@ def parts_from_config(config: TrainConfig, log=print, shard_dir=None) -> Parts:
     been through resolve_config, which checked the strategy against the model."""
     spec = load_spec(config.model)
     data = load_data(config, spec, log=log, shard_dir=shard_dir)
+    loss = import_builder(config.loss, "loss function") if config.loss else None
     # "auto": vmapped unless MLX cannot vmap the model (conv2d's gradient), which the first step shows
-    return Parts(build_model(spec, seed=config.seed), data, config.make_strategy(),
+    return Parts(build_model(spec, seed=config.seed), data, config.make_strategy(), loss=loss,
                  vectorize="auto" if config.vectorize else False, spec=spec)
 
 
@@ -128,6 +131,11 @@ class Run:
             raise ConfigError(f"the job has {comm.num_workers} workers but the config says {config.workers}")
         parts = parts or parts_from_config(config, log, place.shard_dir)
         self.spec, self.data, model = parts.spec, parts.data, parts.model
+        if config.precision == "bf16":
+            to_bf16(model)
+        if config.grad_checkpoint and not checkpoint_blocks(model):
+            raise ConfigError("grad-checkpoint needs a model of transformer blocks (paths h.N or layers.N); "
+                              "drop --grad-checkpoint")
         self.link = parse_link(config.link)
         self.strategy = parts.strategy.bind(comm, config.steps)
         self.strategy.setup(model.trainable_parameters())
@@ -173,8 +181,8 @@ class Run:
     def train(self, stop_after: int = None) -> dict:
         """Train to the configured step count (or stop after `stop_after` steps, for tests)."""
         c = self.config
-        if self.step == 0 and self.reporter:
-            self.evaluate(None, self.workers.eval_each(self.eval_batches).tolist())
+        if self.step == 0:
+            self.evaluate(None, self.workers.eval_each(self.eval_batches))
         bar = tqdm(total=c.steps, initial=self.step, disable=not self.reporter, file=sys.stderr,
                    desc=f"{c.strategy} x{c.workers}", dynamic_ncols=True)
         loss_sum, loss_count, tokens_per_step = 0, 0, c.batch_size * max(c.seq_len, 1) * self.comm.n_local
@@ -186,15 +194,16 @@ class Run:
             self.step += 1
             self.compute_s += (dt - (self.comm.wait_s - wait0)) / self.comm.n_local  # DDP syncs inside the step
             loss_sum, loss_count = loss_sum + losses, loss_count + 1
-            evaluate = self.reporter and (self.step % self.eval_every == 0 or self.step == c.steps)
+            evaluate = self.step % self.eval_every == 0 or self.step == c.steps
             # The local models are evaluated before the outer step replaces them with the global one.
-            worker_losses = self.workers.eval_each(self.eval_batches).tolist() if evaluate else None
+            worker_losses = self.workers.eval_each(self.eval_batches) if evaluate else None
             self.workers.params = self.strategy.after_step(self.workers.params, self.step)
             self._account_exchanges()
             if self.place.progress_path:
                 self._write_progress(losses, tokens_per_step / dt)
             bar.update(1)
-            bar.set_postfix(loss=f"{losses.mean().item():.3f}", tok_s=f"{tokens_per_step / dt:,.0f}",
+            bar.set_postfix(loss=f"{losses.mean().item():.3f}",  # tokens/s of the whole job
+                            tok_s=f"{tokens_per_step * c.workers / self.comm.n_local / dt:,.0f}",
                             sent=human_bytes(self.bytes_sent))
             if evaluate:
                 self.evaluate(loss_sum / loss_count, worker_losses)
@@ -238,16 +247,23 @@ class Run:
 
     def evaluate(self, train_losses, worker_losses):
         """Write a metrics row: the global model's eval loss, and each local model's (taken
-        before the outer step, so the rows show how far the workers drifted apart)."""
+        before the outer step, so the rows show how far the workers drifted apart). Every process
+        evaluates its workers; the reporter gathers their losses and writes the row."""
         c = self.config
+        worker_losses = self.comm.gather_metric(worker_losses)
+        train_losses = None if train_losses is None else self.comm.gather_metric(train_losses)
+        # MLX's peak memory of every process (each hosts n_local workers): the largest one counts.
+        self.peak_memory = max(self.comm.gather_metric(mx.full((self.comm.n_local,), mx.get_peak_memory() / 1e6)))
+        if not self.reporter:
+            return
         global_loss = self.workers.eval_params(self.global_params(), self.eval_batches)
         modelled = self.compute_s + self.comm_s
         row = {
             "step": self.step, "outer_step": -(-self.step // period) if (period := self.strategy.sync_every) else None,
             "tokens": self.step * c.batch_size * max(c.seq_len, 1) * c.workers,  # examples for non-text data
             "eval_loss": global_loss, "eval_loss_workers": worker_losses,
-            "train_loss": None if train_losses is None else float(train_losses.mean().item()),
-            "train_loss_workers": None if train_losses is None else train_losses.tolist(),
+            "train_loss": None if train_losses is None else sum(train_losses) / len(train_losses),
+            "train_loss_workers": train_losses,
             "bytes_sent_per_worker": self.bytes_sent, "peak_exchange_bytes": self.peak_exchange_bytes,
             "compute_s": self.compute_s,
             "comm_s": self.comm_s, "modelled_time_s": modelled, "sync_wait_s": self.comm.wait_s,
@@ -255,6 +271,7 @@ class Run:
             # on a real cluster: compute against the time actually spent waiting for exchanges
             "measured_utilisation": self.compute_s / (self.compute_s + self.comm.wait_s) if self.compute_s else 1.0,
             "wall_s": time.time() - self.wall_start,
+            "peak_memory_bytes": int(self.peak_memory * 1e6), "workers_per_process": self.comm.n_local,
             "strategy": c.strategy, "workers": c.workers, "sync_every": period, "link": self.link.name,
             "strategy_options": self.strategy.options(),
         }
@@ -269,7 +286,8 @@ class Run:
                    "bytes_sent_per_worker": self.bytes_sent, "peak_exchange_bytes": self.peak_exchange_bytes,
             "compute_s": self.compute_s,
                    "modelled_comm_s": self.comm_s, "utilisation": last.get("utilisation"),
-                   "link": self.link.describe()}
+                   "link": self.link.describe(), "peak_memory_bytes": last.get("peak_memory_bytes"),
+                   "workers_per_process": self.comm.n_local}
         if self.reporter:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary

@@ -1,0 +1,73 @@
+"""Peak memory of one DiLoCo worker, measured beside `plan`'s estimate.
+
+    python bench/memory.py [--models small gpt-10m llama-150m llama-1b] [--steps 2]
+
+Each case is `mlx-diloco sim --workers 1 --processes 1` in its own process (MLX's peak memory is
+per process) for a few steps with a sync every step, in fp32 and bf16, with and without activation
+checkpointing. A case whose estimate exceeds this machine's memory is shown, not run.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mlx_diloco.cluster.hostinfo import memory_bytes  # noqa: E402
+from mlx_diloco.memory import GB, estimate, macs_it_fits  # noqa: E402
+from mlx_diloco.models.zoo import build_model, count_parameters, load_spec  # noqa: E402
+from mlx_diloco.memory import model_shape  # noqa: E402
+
+SHAPES = {"small": (16, 64), "gpt-10m": (16, 256), "llama-150m": (4, 512), "llama-1b": (4, 512)}
+CASES = [("fp32", "fp32", False), ("fp32", "fp32", True), ("bf16", "fp32", False), ("bf16", "fp32", True),
+         ("bf16", "bf16", True)]
+
+
+def measure(model, batch, seq_len, precision, moments, ckpt, steps, extra):
+    with tempfile.TemporaryDirectory() as tmp:
+        args = [sys.executable, "-m", "mlx_diloco", "sim", "--model", model, "--workers", "1", "--processes", "1",
+                "--steps", str(steps), "--sync-every", "1", "--batch-size", str(batch), "--seq-len", str(seq_len),
+                "--eval-batches", "1", "--sample-tokens", "0", "--precision", precision,
+                "--moments-precision", moments, "--run-dir", f"{tmp}/r", *extra]
+        if ckpt:
+            args.append("--grad-checkpoint")
+        t = time.time()
+        out = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
+        if out.returncode:
+            return None, out.stderr.strip().splitlines()[-1]
+        return json.loads(Path(f"{tmp}/r/summary.json").read_text())["peak_memory_bytes"], f"{time.time() - t:.0f} s"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=list(SHAPES))
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more sim flags for every case")
+    args = p.parse_args()
+    machine = memory_bytes()
+    print(f"{'model':11} {'params':>8} {'B x T':>8} {'precision':9} {'moments':7} {'ckpt':4} {'measured':>9} "
+          f"{'estimate':>9} {'est/meas':>8} {'B/param':>7}  fits Macs (GB)  time")
+    for name in args.models:
+        spec = load_spec(name)
+        n = count_parameters(build_model(spec, lazy=True))
+        batch, seq_len = SHAPES.get(name, (4, 512))
+        for precision, moments, ckpt in CASES:
+            est = estimate(model_shape(spec.params, n), batch, seq_len, precision, moments, ckpt)["total"]
+            if est > 0.85 * machine:
+                peak, note = None, "not run: larger than this machine"
+            else:
+                peak, note = measure(name, batch, seq_len, precision, moments, ckpt, args.steps, args.extra)
+            row = (f"{name:11} {n / 1e6:7.1f}M {f'{batch}x{seq_len}':>8} {precision:9} {moments:7} "
+                   f"{'yes' if ckpt else 'no':4} {f'{peak / GB:.2f} GB' if peak else '-':>9} {est / GB:6.2f} GB "
+                   f"{f'{est / peak:.2f}' if peak else '-':>8} {f'{(peak or est) / n:.1f}':>7}  "
+                   f"{','.join(map(str, macs_it_fits(peak or est))) or 'none':14}  {note}")
+            print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()

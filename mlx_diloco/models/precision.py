@@ -1,0 +1,75 @@
+"""What a model is stored and computed in: bf16 weights, and activation checkpointing per block.
+
+bf16 halves the weights, gradients and stored activations. On Apple GPUs bf16 is also MLX's fast
+path; MLX's CPU has no bf16 matrix multiply (measured here: 3 GFLOP/s against 98 for fp32), so on
+the CPU the linear layers multiply in fp32 and round the result to bf16: the same memory (only
+bf16 values are kept for the backward pass), fp32 speed.
+
+Checkpointing keeps only each transformer block's input for the backward pass and recomputes the
+rest (`mx.checkpoint`): activation memory of one block instead of all of them, for a second forward.
+Both change a module's class in place (a subclass of its own), so parameter paths, checkpoints
+and Streaming DiLoCo's fragments are unchanged.
+"""
+
+import re
+
+import mlx.core as mx
+import mlx.nn as nn
+
+BLOCK_PATH = re.compile(r"(?:^|\.)(?:h|layers)\.\d+$")  # our GPT's blocks, mlx-lm's layers
+
+
+@mx.custom_function
+def matmul_fp32(x, w):
+    """x @ w.T computed in fp32, returned in x's dtype; the backward pass keeps only x and w."""
+    return (x.astype(mx.float32) @ w.astype(mx.float32).T).astype(x.dtype)
+
+
+@matmul_fp32.vjp
+def _matmul_fp32_vjp(primals, cotangent, output):
+    x, w = primals
+    g = cotangent.astype(mx.float32)
+    dx = g @ w.astype(mx.float32)
+    dw = g.reshape(-1, g.shape[-1]).T @ x.astype(mx.float32).reshape(-1, x.shape[-1])
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+class Fp32MatmulLinear(nn.Linear):
+    def __call__(self, x):
+        y = matmul_fp32(x, self["weight"])
+        return y + self["bias"] if "bias" in self else y
+
+
+class Fp32MatmulEmbedding(nn.Embedding):
+    def as_linear(self, x):  # a tied output head
+        return matmul_fp32(x, self.weight)
+
+
+def to_bf16(model: nn.Module) -> nn.Module:
+    """Weights in bf16; on the CPU, linear layers multiply in fp32 (module docstring)."""
+    model.set_dtype(mx.bfloat16)
+    if mx.default_device() == mx.cpu:
+        for _, m in model.named_modules():
+            if type(m) is nn.Linear:
+                m.__class__ = Fp32MatmulLinear
+            elif type(m) is nn.Embedding:
+                m.__class__ = Fp32MatmulEmbedding
+    return model
+
+
+def checkpointed(cls):
+    """`cls` with its __call__ run under mx.checkpoint: its activations recomputed in the backward pass."""
+    def __call__(self, *args, **kwargs):
+        def run(params, *args):
+            self.update(params)
+            return cls.__call__(self, *args, **kwargs)
+        return mx.checkpoint(run)(self.trainable_parameters(), *args)
+    return type(f"Checkpointed{cls.__name__}", (cls,), {"__call__": __call__})
+
+
+def checkpoint_blocks(model: nn.Module) -> int:
+    """Checkpoint every transformer block of `model`; returns how many there are."""
+    blocks = [m for path, m in model.named_modules() if BLOCK_PATH.search(path)]
+    for m in blocks:
+        m.__class__ = checkpointed(type(m))
+    return len(blocks)
