@@ -3,8 +3,9 @@
     python bench/memory.py [--models small gpt-10m llama-150m llama-1b] [--steps 2]
 
 Each case is `mlx-diloco sim --workers 1 --processes 1` in its own process (MLX's peak memory is
-per process) for a few steps with a sync every step, in fp32 and bf16, with and without activation
-checkpointing. A case whose estimate exceeds this machine's memory is shown, not run.
+per process) for a few steps with a sync every step: fp32, with checkpointing, bf16 with it, and the
+leanest (bf16 moments, the outer state offloaded). A case whose estimate exceeds this machine's
+memory is shown, not run. Extra sim flags for every case after --extra (e.g. --fragments 11).
 """
 
 import argparse
@@ -19,23 +20,22 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mlx_diloco.cluster.hostinfo import memory_bytes  # noqa: E402
-from mlx_diloco.memory import GB, estimate, macs_it_fits  # noqa: E402
+from mlx_diloco.memory import GB, MemoryOptions, estimate, macs_it_fits, model_shape  # noqa: E402
 from mlx_diloco.models.zoo import build_model, count_parameters, load_spec  # noqa: E402
-from mlx_diloco.memory import model_shape  # noqa: E402
 
 SHAPES = {"small": (16, 64), "gpt-10m": (16, 256), "llama-150m": (4, 512), "llama-1b": (4, 512)}
-CASES = [("fp32", "fp32", False), ("fp32", "fp32", True), ("bf16", "fp32", False), ("bf16", "fp32", True),
-         ("bf16", "bf16", True)]
+# (precision, moments precision, checkpointing, offloaded outer state)
+CASES = [("fp32", "fp32", False, False), ("fp32", "fp32", True, False), ("bf16", "fp32", True, False),
+         ("bf16", "bf16", True, True)]
 
 
-def measure(model, batch, seq_len, precision, moments, ckpt, steps, extra):
+def measure(model, batch, seq_len, precision, moments, ckpt, offload, steps, extra):
     with tempfile.TemporaryDirectory() as tmp:
         args = [sys.executable, "-m", "mlx_diloco", "sim", "--model", model, "--workers", "1", "--processes", "1",
                 "--steps", str(steps), "--sync-every", "1", "--batch-size", str(batch), "--seq-len", str(seq_len),
                 "--eval-batches", "1", "--sample-tokens", "0", "--precision", precision,
                 "--moments-precision", moments, "--run-dir", f"{tmp}/r", *extra]
-        if ckpt:
-            args.append("--grad-checkpoint")
+        args += ["--grad-checkpoint"] * ckpt + ["--offload-outer"] * offload
         t = time.time()
         out = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
         if out.returncode:
@@ -50,20 +50,22 @@ def main():
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more sim flags for every case")
     args = p.parse_args()
     machine = memory_bytes()
-    print(f"{'model':11} {'params':>8} {'B x T':>8} {'precision':9} {'moments':7} {'ckpt':4} {'measured':>9} "
+    print(f"{'model':11} {'params':>8} {'B x T':>8} {'precision':9} {'moments':7} {'ckpt':4} {'offload':7} {'measured':>9} "
           f"{'estimate':>9} {'est/meas':>8} {'B/param':>7}  fits Macs (GB)  time")
     for name in args.models:
         spec = load_spec(name)
         n = count_parameters(build_model(spec, lazy=True))
         batch, seq_len = SHAPES.get(name, (4, 512))
-        for precision, moments, ckpt in CASES:
-            est = estimate(model_shape(spec.params, n), batch, seq_len, precision, moments, ckpt)["total"]
+        for precision, moments, ckpt, offload in CASES:
+            options = MemoryOptions(batch, seq_len, precision, moments, ckpt, offload)
+            est = estimate(model_shape(spec.params, n), options)["total"]
             if est > 0.85 * machine:
                 peak, note = None, "not run: larger than this machine"
             else:
-                peak, note = measure(name, batch, seq_len, precision, moments, ckpt, args.steps, args.extra)
+                peak, note = measure(name, batch, seq_len, precision, moments, ckpt, offload, args.steps, args.extra)
             row = (f"{name:11} {n / 1e6:7.1f}M {f'{batch}x{seq_len}':>8} {precision:9} {moments:7} "
-                   f"{'yes' if ckpt else 'no':4} {f'{peak / GB:.2f} GB' if peak else '-':>9} {est / GB:6.2f} GB "
+                   f"{'yes' if ckpt else 'no':4} {'yes' if offload else 'no':7} "
+                   f"{f'{peak / GB:.2f} GB' if peak else '-':>9} {est / GB:6.2f} GB "
                    f"{f'{est / peak:.2f}' if peak else '-':>8} {f'{(peak or est) / n:.1f}':>7}  "
                    f"{','.join(map(str, macs_it_fits(peak or est))) or 'none':14}  {note}")
             print(row, flush=True)

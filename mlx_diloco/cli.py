@@ -130,7 +130,7 @@ def cmd_agent(args):
     from .cluster.protocol import load_secret
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     serve(Path(args.state_dir).expanduser(), load_secret(secret_file=args.secret_file), args.port, args.bind,
-          mdns=not args.no_mdns, name=args.name)
+          mdns=not args.no_mdns, name=args.name, max_memory=args.max_memory and args.max_memory * 1e9)
 
 
 def found_agents(args):
@@ -295,6 +295,8 @@ def build_parser(config_flags: bool = True):
     s.add_argument("--secret-file", help="file holding the cluster secret (default: $MLX_DILOCO_SECRET)")
     s.add_argument("--no-mdns", action="store_true", help="do not advertise over mDNS (launch with --hosts)")
     s.add_argument("--name", help="name shown for this machine (default: its host name)")
+    s.add_argument("--max-memory", type=float, help="GB that training jobs may use here at most (default: what "
+                   "the GPU may wire on a Mac, 90%% elsewhere); launch refuses jobs that need more")
     s.set_defaults(func=cmd_agent)
 
     def add_finding(s):
@@ -327,7 +329,15 @@ def build_parser(config_flags: bool = True):
     s.set_defaults(func=cmd_secret)
 
     s = sub.add_parser("plan", help="what-if: sync time and utilisation for a model size, link and H")
-    s.add_argument("--params", type=parse_count, default=7e9, help="model parameters, e.g. 7B or 124M (default 7B)")
+    s.add_argument("--params", type=parse_count, default=None,
+                   help="model parameters, e.g. 7B or 124M (default: --model's, else 7B)")
+    s.add_argument("--model", help="a preset (or preset file, model folder): also estimate memory per worker")
+    s.add_argument("--batch-size", type=int, default=16, help="sequences per worker per step (memory)")
+    s.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (memory; 0: the model's context, at most 1024)")
+    s.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="training precision (memory)")
+    s.add_argument("--moments-precision", default="fp32", choices=["fp32", "bf16"], help="AdamW moments (memory)")
+    s.add_argument("--grad-checkpoint", action="store_true", help="activation checkpointing per block (memory)")
+    s.add_argument("--offload-outer", action="store_true", help="global model and outer momentum in files (memory)")
     s.add_argument("--compress", default="fp16", help="codec of exchanged values (see codecs.py)")
     s.add_argument("--fragments", type=int, default=1, help="P: fragments synced at staggered steps (Streaming DiLoCo)")
     s.add_argument("--overlap-steps", type=int, default=0, help="tau: inner steps that hide each fragment's exchange")

@@ -39,6 +39,32 @@ def report() -> list:
             lines.append(f"BLAS: MLX's bundled reference BLAS (~40x slow matmul); fix: {blas.FIX}")
     backends = [b for b in ("ring", "mpi", "jaccl", "nccl") if _backend_available(mx, b)]
     lines.append(f"distributed backends: {', '.join(backends) or 'none'}")
+    return lines + preset_lines()
+
+
+def preset_lines() -> list:
+    """Which model presets one worker can train here (plan's memory estimate, batch 4 x 512)."""
+    from .memory import GB, MemoryOptions, estimate, flags, make_it_fit, model_shape
+    from .models.zoo import preset_names
+    from .plan import model_params
+    budget = hostinfo.training_memory()
+    as_is, changed, too_large = [], [], []
+    for name in preset_names():
+        spec, n = model_params(name)
+        o = MemoryOptions(batch_size=4, seq_len=min(spec.context_length, 512) if spec.is_language_model else 0)
+        shape = model_shape(spec.params, n)
+        fix = make_it_fit(shape, o, budget)
+        if fix == o:
+            as_is.append(name)
+        elif fix:
+            changed.append(f"{name} with {flags(o, fix)} ({estimate(shape, fix)['total'] / GB:.1f} GB)")
+        else:
+            too_large.append(name)
+    lines = [f"presets one worker can train here (batch 4 x 512, {budget / GB:.1f} GB for training): "
+             f"{', '.join(as_is) or 'none'} in fp32"]
+    lines += [f"  {c}" for c in changed]
+    if too_large:
+        lines.append(f"  too large here: {', '.join(too_large)}")
     return lines
 
 

@@ -2,22 +2,25 @@
 
     weights, gradients          P x (4 bytes fp32, 2 bf16)
     AdamW moments               2P x (4 or 2)
-    DiLoCo's outer state        the global model and the outer momentum: 2P x 4 (fp32 always)
+    DiLoCo's outer state        the global model and the outer momentum: 2P x 4 (fp32 always), or
+                                nothing with offload-outer (they wait in a file between syncs)
     activations                 per block, what the backward pass keeps (or, checkpointed, only each
                                 block's input and one block's recomputation), plus the logits
-    the sync                    one fragment's pseudo-gradient buffers, 1/P of the model each
+    the sync                    one fragment's pseudo-gradient buffers (1/P of the model with
+                                Streaming DiLoCo's P fragments): the peak of a large model with P=1
 
 The activation constants are fitted to MLX's measured peak memory (`bench/memory.py`, which
 prints the estimate beside the measurement). MLX-free: `plan`, `doctor` and the launcher use it.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 GB = 1e9
 MAC_MEMORY_GB = (16, 24, 32, 64)  # the Macs people pool
 # macOS lets the GPU wire about this share of a Mac's memory (MLX's recommended working set:
 # 16 GB of a 24 GB Mac); `sudo sysctl iogpu.wired_limit_mb=...` raises it.
 GPU_SHARE = 2 / 3
+RUNTIME_BYTES = int(0.09 * GB)  # what MLX holds beside the model at the smallest preset (measured)
 
 
 @dataclass
@@ -39,29 +42,60 @@ def model_shape(params: dict, parameters: int) -> Shape:
                  params.get("num_attention_heads") or 0, params.get("vocab_size") or 0)
 
 
-def estimate(shape: Shape, batch: int, seq_len: int, precision: str = "fp32", moments: str = "fp32",
-             grad_checkpoint: bool = False, strategy: str = "diloco", fragments: int = 1,
-             workers: int = 1) -> dict:
+@dataclass
+class MemoryOptions:
+    """The choices that decide a worker's memory (config keys and DiLoCo options of the same names)."""
+    batch_size: int = 16
+    seq_len: int = 64
+    precision: str = "fp32"
+    moments_precision: str = "fp32"
+    grad_checkpoint: bool = False
+    offload_outer: bool = False
+    fragments: int = 1
+    strategy: str = "diloco"
+
+    @classmethod
+    def of(cls, config) -> "MemoryOptions":
+        """The options of a TrainConfig (its seq-len resolved)."""
+        o = config.strategy_options
+        return cls(config.batch_size, config.seq_len, config.precision, config.moments_precision,
+                   config.grad_checkpoint, o.get("offload_outer", False), o.get("fragments", 1), config.strategy)
+
+    def describe(self) -> str:
+        parts = [f"batch {self.batch_size} x {self.seq_len}", self.precision]
+        parts += ["bf16 moments"] * (self.moments_precision == "bf16") + ["grad-checkpoint"] * self.grad_checkpoint
+        parts += ["offload-outer"] * self.offload_outer + [f"{self.fragments} fragments"] * (self.fragments > 1)
+        return ", ".join(parts)
+
+
+def estimate(shape: Shape, o: MemoryOptions, workers: int = 1) -> dict:
     """Bytes one process needs at its peak, by part, for `workers` replicas (1 on a cluster)."""
-    P, w = shape.parameters, 2 if precision == "bf16" else 4
-    m = 2 if moments == "bf16" else 4
-    tokens = batch * max(seq_len, 1)
-    # What the backward pass keeps per block and token: ~16 hidden-size values, ~3 MLP-width values
-    # and the attention weights (heads x seq_len, softmax input and output).
-    per_block = tokens * (16 * shape.hidden + 3 * shape.ffn + 2 * shape.heads * seq_len) * w
-    if grad_checkpoint:
-        stored = shape.blocks * tokens * shape.hidden * w + per_block
+    P, w = shape.parameters, 2 if o.precision == "bf16" else 4
+    m = 2 if o.moments_precision == "bf16" else 4
+    tokens = o.batch_size * max(o.seq_len, 1)
+    # Activations, fitted to MLX's peaks on the CPU (bench/memory.py): per block and token the
+    # backward pass keeps ~5 hidden-size, 3 MLP-width and one attention row of fp32 values; the
+    # loss ~22 bytes per logit (the fp32 logits, their softmax and gradient). Checkpointed, a block
+    # keeps its input only and one block is recomputed at a time. bf16 on the CPU adds ~30%: the
+    # fp32 copies its matrix multiplies make.
+    per_block = tokens * 4 * (5 * shape.hidden + 3 * shape.ffn + shape.heads * max(o.seq_len, 1))
+    if o.grad_checkpoint:
+        blocks = shape.blocks * tokens * shape.hidden * w + per_block
     else:
-        stored = shape.blocks * per_block
-    logits = 3 * tokens * shape.vocab * 4  # fp32 logits, their softmax and gradient
-    outer = 2 * P * 4 if strategy in ("diloco", "fedavg", "sparta-diloco", "muloco") else 0
+        blocks = shape.blocks * per_block
+    activations = (blocks + 22 * tokens * shape.vocab) * (1.3 if o.precision == "bf16" else 1.0)
+    periodic = o.strategy in ("diloco", "fedavg", "sparta-diloco", "muloco")
+    fragment = P // max(o.fragments, 1)
     parts = {
-        "weights": workers * P * w + P * w,     # the replicas, and the model they were copied from
+        "runtime": RUNTIME_BYTES,
+        "weights": workers * P * w,
         "gradients": workers * P * w,
         "moments": workers * 2 * P * m,
-        "outer state": outer,
-        "activations": workers * (stored + logits),
-        "sync": 3 * workers * P * 4 // max(fragments, 1) if outer else 0,
+        "outer state": 2 * P * 4 if periodic and not o.offload_outer else 0,  # global model, momentum (fp32)
+        "activations": workers * int(activations),
+        # one fragment's buffers at a sync: its values, the pseudo-gradient and its mean, ~3.5 fp32
+        # copies measured (and, offloaded, the global values and momentum read back)
+        "sync": int((3.5 * workers + 2 * o.offload_outer) * fragment * 4) if periodic else 0,
     }
     # The sync happens between steps: the gradients and activations are gone by then.
     step_peak = sum(v for k, v in parts.items() if k != "sync")
@@ -76,3 +110,37 @@ def fits(total_bytes: float, memory_bytes: float, gpu: bool = True) -> bool:
 
 def macs_it_fits(total_bytes: float) -> list:
     return [gb for gb in MAC_MEMORY_GB if fits(total_bytes, gb * GB)]
+
+
+def shrinking(shape: Shape) -> list:
+    """What makes a job smaller, in the order worth trying: bf16, checkpointing and offloading
+    leave the loss as it is, Streaming DiLoCo's fragments (two blocks each) shrink the sync and
+    did better than DiLoCo in our runs, bf16 moments cost a little (README, Memory)."""
+    return [("precision", "bf16"), ("grad_checkpoint", True), ("offload_outer", True),
+            ("fragments", max(shape.blocks // 2, 1)), ("moments_precision", "bf16")]
+
+
+def make_it_fit(shape: Shape, o: MemoryOptions, budget: float):
+    """The first options, changing as little as the list above allows (then halving the batch),
+    whose estimate fits `budget` bytes; None if even batch 1 does not."""
+    candidate = o
+    for key, value in shrinking(shape):
+        if estimate(shape, candidate)["total"] <= budget:
+            return candidate
+        if key != "fragments" or o.strategy == "diloco":
+            candidate = replace(candidate, **{key: max(value, o.fragments) if key == "fragments" else value})
+    while estimate(shape, candidate)["total"] > budget:
+        if candidate.batch_size == 1:
+            return None
+        candidate = replace(candidate, batch_size=candidate.batch_size // 2)
+    return candidate
+
+
+def flags(old: MemoryOptions, new: MemoryOptions) -> str:
+    """The command-line flags that turn `old` into `new`."""
+    out = []
+    for f in fields(MemoryOptions):
+        a, b = getattr(old, f.name), getattr(new, f.name)
+        if a != b:
+            out.append(f"--{f.name.replace('_', '-')}" + ("" if b is True else f" {b}"))
+    return " ".join(out)

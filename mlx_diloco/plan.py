@@ -1,9 +1,10 @@
 """`mlx-diloco plan`: what-if estimates of sync time and utilisation for any model, link and H,
-codec, number of fragments (Streaming DiLoCo) and overlap."""
+codec, number of fragments (Streaming DiLoCo) and overlap; with --model, memory per worker too."""
 
 from .exchange.codecs import get_codec
 from .exchange.comm import exchange_plan
 from .exchange.network import LINKS, exchange_time, parse_link
+from .memory import GB, GPU_SHARE, MAC_MEMORY_GB, MemoryOptions, estimate, flags, macs_it_fits, make_it_fit, model_shape
 from .training.metrics import human_bytes
 
 
@@ -43,7 +44,46 @@ def format_duration(s: float) -> str:
     return f"{s / 86400:.3g} days"
 
 
+def model_params(name: str):
+    """(preset spec, parameter count), without allocating the weights."""
+    from .models.zoo import build_model, count_parameters, load_spec
+    spec = load_spec(name)
+    return spec, count_parameters(build_model(spec, lazy=True))
+
+
+def worker_estimate(config) -> tuple:
+    """(MemoryOptions, Shape, estimate) of one worker of a resolved TrainConfig (one per machine)."""
+    spec, n = model_params(config.model)
+    o, shape = MemoryOptions.of(config), model_shape(spec.params, n)
+    return o, shape, estimate(shape, o)
+
+
+def print_memory(args):
+    spec, n = model_params(args.model)
+    o = MemoryOptions(args.batch_size, args.seq_len or min(spec.context_length, 1024), args.precision,
+                      args.moments_precision, args.grad_checkpoint, args.offload_outer, args.fragments)
+    shape = model_shape(spec.params, n)
+    est = estimate(shape, o)
+    print(f"memory of one DiLoCo worker: model {args.model} ({n / 1e6:,.1f}M parameters), {o.describe()}")
+    print("  " + ", ".join(f"{k} {v / GB:.2f} GB" for k, v in est.items() if v and k != "total"))
+    macs = macs_it_fits(est["total"])
+    print(f"  total {est['total'] / GB:.2f} GB ({est['total'] / n:.1f} bytes/parameter): fits Macs of "
+          f"{', '.join(map(str, macs)) + ' GB' if macs else 'none up to 64 GB'} (the GPU may use ~{GPU_SHARE:.0%} of a "
+          "Mac's memory by default)")
+    for gb in MAC_MEMORY_GB:
+        if gb not in macs and (smaller := make_it_fit(shape, o, gb * GB * GPU_SHARE)):
+            print(f"  to fit a {gb} GB Mac: {flags(o, smaller)} "
+                  f"({estimate(shape, smaller)['total'] / GB:.2f} GB)")
+            break
+    print()
+    return n
+
+
 def print_plan(args):
+    if args.model:
+        n = print_memory(args)
+        args.params = args.params or n
+    args.params = args.params or 7e9
     links = [parse_link(l) for l in args.link] if args.link else list(LINKS.values())
     P, tau = args.fragments, args.overlap_steps
     rows = plan(args.params, args.compress, args.workers, args.sync_every, args.step_time, links,

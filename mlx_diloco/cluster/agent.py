@@ -88,7 +88,7 @@ class WorkerProcess:
 
 
 class Agent:
-    def __init__(self, state_dir: Path, secret: bytes, name: str = None):
+    def __init__(self, state_dir: Path, secret: bytes, name: str = None, max_memory: float = None):
         self.state_dir = Path(state_dir)
         (self.state_dir / "blobs").mkdir(parents=True, exist_ok=True)
         (self.state_dir / "jobs").mkdir(exist_ok=True)
@@ -97,6 +97,7 @@ class Agent:
             id_file.write_text(uuid.uuid4().hex)
         self.id = id_file.read_text().strip()
         self.secret, self.name = secret, name
+        self.max_memory = max_memory  # bytes offered to training jobs at most (the rest stays for other apps)
         self.jobs = {}
         self.lock = threading.Lock()
 
@@ -109,7 +110,7 @@ class Agent:
         return {"agent": self.describe(), "protocol": protocol.VERSION}
 
     def describe(self) -> dict:
-        info = hostinfo.describe(self.id)
+        info = hostinfo.describe(self.id, self.max_memory)
         return {**info, "host": self.name or info["host"]}
 
     def on_heartbeat(self, msg):
@@ -318,9 +319,9 @@ def advertise(agent: Agent, port: int, addresses: list):
 
 
 def serve(state_dir: Path, secret: bytes, port: int = protocol.DEFAULT_PORT, bind: str = "", mdns: bool = True,
-          name: str = None):
+          name: str = None, max_memory: float = None):
     """Run the agent until SIGINT/SIGTERM."""
-    agent = Agent(state_dir, secret, name)
+    agent = Agent(state_dir, secret, name, max_memory)
     server = _Server((bind, port), _Connection)
     server.agent = agent
     port = server.server_address[1]

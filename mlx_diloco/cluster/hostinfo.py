@@ -128,14 +128,25 @@ def memory_bytes() -> int:
         return 0
 
 
-def describe(agent_id: str) -> dict:
+def training_memory(cap_bytes: float = None) -> int:
+    """What this machine offers a training job: on a Mac what its GPU may wire (by default
+    memory.GPU_SHARE of the memory), elsewhere 90%; at most `cap_bytes` (the agent's --max-memory)."""
+    from ..memory import GPU_SHARE
+    offered = memory_bytes() * (GPU_SHARE if sys.platform == "darwin" else 0.9)
+    if sys.platform == "darwin":  # a raised limit (sudo sysctl iogpu.wired_limit_mb=...) counts instead
+        raised = _run(["sysctl", "-n", "iogpu.wired_limit_mb"]).strip()
+        offered = int(raised) * 2**20 if raised.isdigit() and int(raised) > 0 else offered
+    return int(min(offered, cap_bytes) if cap_bytes else offered)
+
+
+def describe(agent_id: str, memory_cap: float = None) -> dict:
     """Everything the agent reports in its hello and (shortened) in its mDNS record."""
     ports = _hardware_ports()
     tb = []
     if sys.platform == "darwin":
         tb = thunderbolt_links(ports, parse_thunderbolt(_run(["system_profiler", "SPThunderboltDataType", "-json"])))
     return {"id": agent_id, "host": socket.gethostname(), "version": __version__, "chip": chip(),
-            "memory": memory_bytes(), "platform": sys.platform, "interfaces": interfaces(ports), "thunderbolt": tb}
+            "memory": memory_bytes(), "training_memory": training_memory(memory_cap), "platform": sys.platform, "interfaces": interfaces(ports), "thunderbolt": tb}
 
 
 def valid_name(text: str) -> bool:

@@ -98,6 +98,24 @@ def cut_shards(config: TrainConfig, num_shards: int, folder: Path, log=print) ->
     return files
 
 
+def check_memory(config: TrainConfig, agents: list):
+    """Refuse, before anything starts, a job whose worker will not fit on one of the machines:
+    name the machine, the estimate, and the smallest change that makes it fit."""
+    from ..memory import estimate, flags, make_it_fit
+    from ..plan import worker_estimate
+    o, shape, need = worker_estimate(config)
+    for a in agents:
+        offered = a.get("training_memory") or 0.9 * a.get("memory", 0)
+        if need["total"] <= offered:
+            continue
+        fix = make_it_fit(shape, o, offered)
+        hint = (f"pass {flags(o, fix)} (about {human_bytes(estimate(shape, fix)['total'])})" if fix
+                else "choose a smaller model preset")
+        raise ConfigError(f"{a['host']} offers {human_bytes(offered)} for training but one worker of this job needs "
+                          f"about {human_bytes(need['total'])} (model {config.model}, {o.describe()}); {hint}, "
+                          "or leave that machine out")
+
+
 class Launcher:
     def __init__(self, state: JobState, run_dir: Path, secret: bytes, log=print):
         self.state, self.run_dir, self.secret, self.log = state, Path(run_dir), secret, log
@@ -126,6 +144,7 @@ class Launcher:
         if len(reachable) < config.workers:
             raise ConfigError(f"{config.workers} workers wanted but {len(reachable)} agents answered; start more "
                               "agents (mlx-diloco agent), pass --hosts, or lower --workers")
+        check_memory(config, agents)
         members = [Member(f.address, f.port, worker_id=w, host=a["host"])
                    for w, (f, a) in enumerate(zip(reachable, agents))]  # start() orders the ring
         job = f"{run_dir.name[:40]}-{secrets.token_hex(3)}".replace(" ", "_")

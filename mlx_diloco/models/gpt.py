@@ -12,6 +12,7 @@ import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 
 from ..config import from_dict
+from .fastmath import softmax
 
 
 @dataclass
@@ -47,7 +48,7 @@ class CausalSelfAttention(nn.Module):
         # Plain attention (not mx.fast) so that the model can be vmapped over replicas.
         scores = (q @ k.transpose(0, 1, 3, 2)) * (q.shape[-1] ** -0.5)
         causal = mx.triu(mx.full((T, T), -mx.inf, dtype=scores.dtype), k=1)
-        y = mx.softmax(scores + causal, axis=-1) @ v
+        y = softmax(scores + causal, axis=-1) @ v
         return self.c_proj(y.transpose(0, 2, 1, 3).reshape(B, T, C))
 
 

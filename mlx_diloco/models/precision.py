@@ -3,7 +3,9 @@
 bf16 halves the weights, gradients and stored activations. On Apple GPUs bf16 is also MLX's fast
 path; MLX's CPU has no bf16 matrix multiply (measured here: 3 GFLOP/s against 98 for fp32), so on
 the CPU the linear layers multiply in fp32 and round the result to bf16: the same memory (only
-bf16 values are kept for the backward pass), fp32 speed.
+bf16 values are kept for the backward pass), fp32 speed. mlx-lm's attention gets the same
+treatment (on the CPU only: it changes the module's function for every model of that architecture
+in this process, and leaves fp32 inputs as they are).
 
 Checkpointing keeps only each transformer block's input for the backward pass and recomputes the
 rest (`mx.checkpoint`): activation memory of one block instead of all of them, for a second forward.
@@ -12,6 +14,7 @@ and Streaming DiLoCo's fragments are unchanged.
 """
 
 import re
+import sys
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -45,15 +48,32 @@ class Fp32MatmulEmbedding(nn.Embedding):
         return matmul_fp32(x, self.weight)
 
 
+def fp32_attention(attention):
+    """mlx-lm's attention function, computing in fp32 what arrives in bf16 (the CPU's fast path)."""
+    def attention_fp32(queries, keys, values, *args, **kwargs):
+        if queries.dtype == mx.float32:
+            return attention(queries, keys, values, *args, **kwargs)
+        up = [a.astype(mx.float32) for a in (queries, keys, values)]
+        return attention(*up, *args, **kwargs).astype(queries.dtype)
+    attention_fp32.wrapped = attention
+    return attention_fp32
+
+
 def to_bf16(model: nn.Module) -> nn.Module:
-    """Weights in bf16; on the CPU, linear layers multiply in fp32 (module docstring)."""
+    """Weights in bf16; on the CPU, linear layers and mlx-lm's attention multiply in fp32."""
     model.set_dtype(mx.bfloat16)
-    if mx.default_device() == mx.cpu:
-        for _, m in model.named_modules():
-            if type(m) is nn.Linear:
-                m.__class__ = Fp32MatmulLinear
-            elif type(m) is nn.Embedding:
-                m.__class__ = Fp32MatmulEmbedding
+    if mx.default_device() != mx.cpu:
+        return model
+    for _, m in model.named_modules():
+        if type(m) is nn.Linear:
+            m.__class__ = Fp32MatmulLinear
+        elif type(m) is nn.Embedding:
+            m.__class__ = Fp32MatmulEmbedding
+    # mlx-lm's architectures call scaled_dot_product_attention from their module's globals.
+    module = sys.modules.get(type(model).__module__)
+    attention = getattr(module, "scaled_dot_product_attention", None)
+    if attention is not None and not hasattr(attention, "wrapped"):
+        module.scaled_dot_product_attention = fp32_attention(attention)
     return model
 
 

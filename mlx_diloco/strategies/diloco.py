@@ -9,6 +9,7 @@ the local models with weight alpha on the local values (fragments.py holds the m
 pre-trained model; the outer schedule then counts from K.
 """
 
+import tempfile
 from dataclasses import dataclass
 
 import mlx.optimizers as optim
@@ -33,6 +34,8 @@ class DiLoCo(Strategy):
     overlap_steps: int = option(0, "tau: inner steps an exchange runs beside compute before it lands")
     merge_alpha: float = option(-1.0, "weight of the local values when a result lands (-1: 0.5 with overlap, else 0)")
     ddp_warmup_steps: int = option(0, "K: train data-parallel for the first K steps, then DiLoCo")
+    offload_outer: bool = option(False, "keep the global model and outer momentum in files between syncs, "
+                                        "out of the training memory (8 bytes/parameter)")
 
     def check(self):
         get_codec(self.compress)
@@ -69,10 +72,13 @@ class DiLoCo(Strategy):
         # The tree's shape, not its values: holding the initial weights would keep a model's worth of memory.
         self.template = tree_map(lambda p: mx.zeros(p.shape, p.dtype), params)
         flat = {k: v[None] for k, v in tree_flatten(params)}
+        # Scratch files for the offloaded outer state, removed with the strategy.
+        self.offload_dir = tempfile.TemporaryDirectory(prefix="mlx-diloco-outer-") if self.offload_outer else None
         self.parts = [  # one Fragment (its global values, outer state, exchange) per part of the model
             Fragment(p, pieces, gather(flat, pieces)[0], self.outer_optimizer(), H, offset=H * (p + 1) // P % H,
                      delay=self.overlap_steps, alpha=self.alpha, codec=get_codec(self.compress),
-                     error_feedback=self.error_feedback, n_local=self.comm.n_local)
+                     error_feedback=self.error_feedback, n_local=self.comm.n_local,
+                     offload_dir=self.offload_dir and self.offload_dir.name)
             for p, pieces in enumerate(partition(params, P, self.fragment_order))]
 
     def reduce_gradients(self, grads, step):

@@ -83,6 +83,36 @@ def scatter(flat_params: dict, pieces: list, values: mx.array) -> dict:
     return out
 
 
+class OuterStore:
+    """A fragment's global values and outer optimizer state, in memory, or (`folder` given) in a
+    safetensors file between the syncs that use them: out of the training memory, read once per sync."""
+
+    def __init__(self, global_values: mx.array, outer: optim.Optimizer, folder=None, name: str = ""):
+        self.outer, self.file = outer, f"{folder}/{name}.safetensors" if folder else None
+        self.size = global_values.size
+        mx.eval(global_values)  # not a lazy view: that would keep the whole initial model alive
+        self.outer.init({"p": global_values})
+        self.put(global_values)
+
+    def get(self):
+        """(global values, outer state): loaded from the file when offloaded."""
+        if self.file is None:
+            return self.global_values, self.outer.state
+        saved = mx.load(self.file)
+        state = {**self.outer.state, "p": tree_unflatten([(k[len("outer."):], v) for k, v in saved.items()
+                                                          if k.startswith("outer.")])}
+        return saved["global"], state
+
+    def put(self, global_values: mx.array, state: dict = None):
+        state = self.outer.state if state is None else state
+        if self.file is None:
+            self.global_values, self.outer.state = global_values, state
+            return
+        mx.save_safetensors(self.file, {"global": global_values,
+                                        **{f"outer.{k}": v for k, v in tree_flatten(state["p"])}})
+        self.outer.state = {k: v for k, v in state.items() if k != "p"}  # the step count, the lr
+
+
 class Fragment:
     """One fragment's sync state: its global values (L,), its own outer optimizer (and its state),
     an error-feedback buffer, and the exchange in flight.
@@ -93,23 +123,31 @@ class Fragment:
 
     def __init__(self, index: int, pieces: list, global_values: mx.array, outer: optim.Optimizer,
                  sync_every: int, offset: int, delay: int, alpha: float, codec: Codec,
-                 error_feedback: bool, n_local: int):
+                 error_feedback: bool, n_local: int, offload_dir=None):
         if not 0 <= offset < sync_every:
             raise ValueError(f"fragment {index}: offset {offset} outside [0, {sync_every})")
         if not 0 <= delay < sync_every:
             raise ValueError(f"fragment {index}: overlap of {delay} steps must be below H = {sync_every}")
         if not 0 <= alpha <= 1:
             raise ValueError(f"fragment {index}: merge alpha {alpha} outside [0, 1]")
-        self.index, self.pieces, self.global_values = index, pieces, global_values
-        self.outer, self.sync_every, self.offset, self.delay = outer, sync_every, offset, delay
-        self.alpha, self.codec = alpha, codec
+        self.index, self.pieces = index, pieces
+        self.sync_every, self.offset, self.delay = sync_every, offset, delay
+        self.alpha, self.codec, self.outer = alpha, codec, outer
+        self.store = OuterStore(global_values, outer, offload_dir, f"fragment-{index}")
         self.error = mx.zeros((n_local, global_values.size)) if error_feedback else None
-        self.outer.init({"p": global_values})
         self.pending, self.apply_at, self.sent = None, None, None
 
     @property
     def size(self) -> int:
-        return self.global_values.size
+        return self.store.size
+
+    @property
+    def global_values(self) -> mx.array:
+        return self.store.get()[0]
+
+    @global_values.setter
+    def global_values(self, values: mx.array):
+        self.store.put(values, self.store.get()[1])
 
     def is_send_step(self, step: int) -> bool:
         return (step - self.offset) % self.sync_every == 0
@@ -133,18 +171,22 @@ class Fragment:
         a run every worker takes the global values as they are)."""
         mean_delta = self.pending.result()
         self.pending, self.apply_at, self.sent = None, None, None
-        self.global_values = self.outer.apply_gradients({"p": mean_delta}, {"p": self.global_values})["p"]
-        mx.eval(self.global_values, self.outer.state)
-        merged = self.global_values[None]
+        global_values, self.outer.state = self.store.get()
+        global_values = self.outer.apply_gradients({"p": mean_delta}, {"p": global_values})["p"]
+        mx.eval(global_values, self.outer.state)
+        self.store.put(global_values)
+        merged = global_values[None]
         if self.alpha > 0 and not final:
             merged = self.alpha * gather(flat_params, self.pieces) + (1 - self.alpha) * merged
         else:
             merged = mx.broadcast_to(merged, (next(iter(flat_params.values())).shape[0], self.size))
-        return scatter(flat_params, self.pieces, merged)
+        out = scatter(flat_params, self.pieces, merged)
+        mx.eval([out[p.path] for p in self.pieces])  # done now: syncs in a row hold one fragment's buffers at a time
+        return out
 
     def state(self) -> dict:
         """Outer optimizer state, error-feedback buffer, and an exchange in flight (what this worker sent)."""
-        out = {"outer": self.outer.state}
+        out = {"outer": self.store.get()[1]}
         if self.error is not None:
             out["error"] = self.error
         if self.pending is not None:
@@ -153,7 +195,7 @@ class Fragment:
 
     def load_state(self, state: dict, comm):
         """Restore, and start again the exchange that was in flight: every worker resends what it sent."""
-        self.outer.state = state["outer"]
+        self.store.put(self.global_values, state["outer"])
         if self.error is not None:
             self.error = state["error"]
         if "in_flight" in state:
@@ -165,4 +207,5 @@ def global_tree(params, fragments: list):
     flat = {k: v[None] for k, v in tree_flatten(params)}
     for f in fragments:
         flat = scatter(flat, f.pieces, f.global_values[None])
+        mx.eval([flat[p.path] for p in f.pieces])  # one fragment's fp32 values in memory at a time
     return tree_unflatten([(k, v[0]) for k, v in flat.items()])

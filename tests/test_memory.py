@@ -1,0 +1,100 @@
+"""Memory (issue 11): bf16 training, activation checkpointing, the outer state offloaded, peak memory
+measured and estimated, and a cluster that refuses what will not fit."""
+
+import json
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from conftest import run_cli, tiny_config
+from emulated import SECRET, EmulatedCluster, can_build
+from mlx_diloco.exchange.comm import SimCommunicator
+from mlx_diloco.memory import GB, MemoryOptions, estimate, make_it_fit, model_shape
+from mlx_diloco.training import checkpoint
+from mlx_diloco.training.run import Run
+
+
+def train(tmp_path, name, **overrides):
+    run = Run(tiny_config(**overrides), tmp_path / name, SimCommunicator(2), log=lambda m: None)
+    return run, run.train()
+
+
+def test_bf16_keeps_weights_and_gradients_in_bf16_and_moments_as_asked(tmp_path):
+    fp32_run, fp32 = train(tmp_path, "fp32")
+    run, bf16 = train(tmp_path, "bf16", precision="bf16")
+    assert {v.dtype for _, v in tree_flatten(run.workers.params)} == {mx.bfloat16}
+    assert {v.dtype for _, v in tree_flatten(run.workers.optimizer.state) if v.ndim > 1} == {mx.float32}
+    assert bf16["final_eval_loss"] == pytest.approx(fp32["final_eval_loss"], rel=0.01)
+    lean, _ = train(tmp_path, "lean", precision="bf16", moments_precision="bf16")
+    assert {v.dtype for _, v in tree_flatten(lean.workers.optimizer.state) if v.ndim > 1} == {mx.bfloat16}
+    # the checkpoint holds what was trained, in its dtype, and resumes
+    state, _ = checkpoint.load(tmp_path / "bf16")
+    assert {v.dtype for _, v in tree_flatten(state["workers"]["params"])} == {mx.bfloat16}
+
+
+def test_checkpointing_and_offloading_change_memory_not_results(tmp_path):
+    _, plain = train(tmp_path, "plain", steps=8)
+    _, ckpt = train(tmp_path, "ckpt", steps=8, grad_checkpoint=True)
+    assert ckpt["final_eval_loss"] == pytest.approx(plain["final_eval_loss"], rel=1e-5)
+    streaming = dict(steps=12, fragments=2, overlap_steps=1, compress="int4", error_feedback=True)
+    ref, ref_summary = train(tmp_path, "in-memory", **streaming)
+    run, summary = train(tmp_path, "offloaded", offload_outer=True, **streaming)
+    assert summary["final_eval_loss"] == ref_summary["final_eval_loss"]
+    assert all(f.store.file and os.path.exists(f.store.file) for f in run.strategy.parts)
+    assert "p" not in run.strategy.parts[0].outer.state  # the momentum lives in the file between syncs
+    # interrupted with an exchange in flight and resumed: the same end as the straight run
+    part = Run(tiny_config(offload_outer=True, **streaming), tmp_path / "cut", SimCommunicator(2), log=lambda m: None)
+    part.train(stop_after=9)
+    resumed = Run(None, tmp_path / "cut", SimCommunicator(2), resume=True, log=lambda m: None).train()
+    assert resumed["final_eval_loss"] == pytest.approx(ref_summary["final_eval_loss"], rel=1e-5)
+
+
+def test_peak_memory_is_measured_and_bf16_checkpointing_lowers_it(tmp_path):
+    peaks = {}
+    for name, flags in {"fp32": [], "lean": ["--precision", "bf16", "--grad-checkpoint", "--offload-outer"]}.items():
+        out = run_cli("sim", "--model", "small", "--workers", "1", "--processes", "1", "--steps", "2",
+                      "--sync-every", "1", "--eval-batches", "1", "--sample-tokens", "0", *flags,
+                      "--run-dir", tmp_path / name)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "peak memory" in out.stdout
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        peaks[name] = json.loads((tmp_path / name / "summary.json").read_text())["peak_memory_bytes"]
+        assert rows[-1]["peak_memory_bytes"] == peaks[name] > 0
+    assert peaks["lean"] < 0.75 * peaks["fp32"], peaks
+
+
+def test_estimates_shrink_with_each_option_and_name_what_fits():
+    shape = model_shape({"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
+                         "num_attention_heads": 32, "vocab_size": 32000}, 1_100_000_000)
+    o = MemoryOptions(batch_size=4, seq_len=512)
+    totals = [estimate(shape, o)["total"]]
+    for change in (dict(precision="bf16"), dict(offload_outer=True, fragments=11), dict(grad_checkpoint=True),
+                   dict(moments_precision="bf16")):
+        o = MemoryOptions(**{**o.__dict__, **change})
+        totals.append(estimate(shape, o)["total"])
+    assert all(a > b for a, b in zip(totals, totals[1:])) and totals[-1] < 12 * GB, totals
+    assert make_it_fit(shape, MemoryOptions(batch_size=4, seq_len=512), 1 * GB) is None
+    out = run_cli("plan", "--model", "llama-1b", "--batch-size", "4", "--seq-len", "512", "--link", "1gbe")
+    assert out.returncode == 0 and "memory of one DiLoCo worker" in out.stdout and "to fit a 16 GB Mac" in out.stdout
+
+
+@pytest.mark.skipif(bool(can_build()), reason=can_build())
+def test_launch_refuses_a_job_too_large_for_a_host_before_it_starts(tmp_path):
+    cluster = EmulatedCluster(2, tmp_path / "cluster", max_memory={2: 0.095})  # host2 offers 95 MB
+    try:
+        config = tiny_config(workers=2, batch_size=16, seq_len=32)
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in config.to_dict().items() if not isinstance(v, bool)]
+        out = subprocess.run([sys.executable, "-m", "mlx_diloco", "launch", *flags, "--hosts", cluster.hosts_flag,
+                              "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "MLX_DILOCO_SECRET": SECRET})
+        assert out.returncode == 2, out.stderr[-2000:]
+        line = out.stderr.strip().splitlines()[-1]
+        assert "host2 offers 95 MB for training" in line and "--precision bf16" in line, line
+        assert not any((tmp_path / "cluster").glob("host*/jobs/*"))  # nothing started
+    finally:
+        cluster.close()
