@@ -48,6 +48,14 @@ class Fp32MatmulEmbedding(nn.Embedding):
         return matmul_fp32(x, self.weight)
 
 
+def round_bf16_stochastically(x: mx.array) -> mx.array:
+    """fp32 -> bf16, rounding up or down with probability given by the distance (unbiased): an
+    update smaller than bf16's resolution still moves the weight on average. Rounded to nearest,
+    those updates are lost: small GPT, DiLoCo, 500 steps, eval loss +1.1% against fp32 (README)."""
+    noise = mx.random.randint(0, 1 << 16, x.shape, dtype=mx.uint32)
+    return ((x.view(mx.uint32) + noise) & 0xFFFF0000).view(mx.float32).astype(mx.bfloat16)
+
+
 def fp32_attention(attention):
     """mlx-lm's attention function, computing in fp32 what arrives in bf16 (the CPU's fast path)."""
     def attention_fp32(queries, keys, values, *args, **kwargs):

@@ -25,6 +25,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_map
 
 from ..config import ConfigError, checked_value
+from ..models.precision import round_bf16_stochastically
 
 
 def option(default, help: str, **kwargs):
@@ -43,7 +44,7 @@ def lr_schedule(config, peak: float = None):
 
 class AdamW(optim.AdamW):
     """MLX's AdamW with its moments held in `moments_dtype`, every update computed in fp32 and
-    rounded to the parameter's dtype (bf16 weights with fp32 or bf16 moments; all fp32: MLX's AdamW)."""
+    rounded to the parameter's dtype, stochastically for bf16 (all fp32: MLX's AdamW)."""
 
     def __init__(self, *args, moments_dtype=mx.float32, **kwargs):
         super().__init__(*args, **kwargs)
@@ -56,6 +57,8 @@ class AdamW(optim.AdamW):
     def apply_single(self, gradient, parameter, state):
         new = super().apply_single(gradient.astype(mx.float32), parameter.astype(mx.float32), state)
         state["m"], state["v"] = state["m"].astype(self.moments_dtype), state["v"].astype(self.moments_dtype)
+        if parameter.dtype == mx.bfloat16:  # no fp32 master copy: stochastic rounding keeps small updates
+            return round_bf16_stochastically(new)
         return new.astype(parameter.dtype)
 
 

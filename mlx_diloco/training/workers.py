@@ -49,7 +49,8 @@ class Workers:
         self._probe = vectorize == "auto"
         # One fused kernel per parameter instead of ~15 elementwise passes: the N-fold
         # optimizer work is most of what simulating N workers costs over one big batch.
-        self._update = mx.compile(self._clip_and_update)
+        # The random state goes in and out: bf16 updates round stochastically (strategies/base.py).
+        self._update = mx.compile(self._clip_and_update, inputs=[mx.random.state], outputs=[mx.random.state])
 
     def loss(self, params, x, y):
         self.model.update(params)
