@@ -33,7 +33,7 @@ HELP = {
     "loss": "loss function 'package.module:function' taking (model, x, y) (default: cross-entropy)",
     "precision": "fp32, or bf16: weights, activations and gradients in bfloat16 (AdamW moments stay fp32)",
     "moments_precision": "AdamW moments in fp32, or bf16 (half their memory)",
-    "grad_checkpoint": "recompute each block's activations in the backward pass: less memory, ~30%% more compute",
+    "grad_checkpoint": "recompute each block's activations in the backward pass: less memory, one more forward pass",
 }
 
 

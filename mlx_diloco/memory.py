@@ -20,7 +20,7 @@ MAC_MEMORY_GB = (16, 24, 32, 64)  # the Macs people pool
 # macOS lets the GPU wire about this share of a Mac's memory (MLX's recommended working set:
 # 16 GB of a 24 GB Mac); `sudo sysctl iogpu.wired_limit_mb=...` raises it.
 GPU_SHARE = 2 / 3
-RUNTIME_BYTES = int(0.09 * GB)  # what MLX holds beside the model at the smallest preset (measured)
+RUNTIME_BYTES = int(0.01 * GB)  # what MLX holds beside the model, the batch and the evaluation
 
 
 @dataclass
@@ -32,6 +32,7 @@ class Shape:
     ffn: int = 0             # MLP width
     heads: int = 0
     vocab: int = 0
+    attention_copies: int = 1  # attention rows kept per token: 1 with mx.fast's attention, 3 with plain ops (our GPT)
 
 
 def model_shape(params: dict, parameters: int) -> Shape:
@@ -39,7 +40,8 @@ def model_shape(params: dict, parameters: int) -> Shape:
     hidden = params.get("n_embd") or params.get("hidden_size") or 0
     return Shape(parameters, params.get("n_layer") or params.get("num_hidden_layers") or 0, hidden,
                  params.get("intermediate_size") or 4 * hidden, params.get("n_head") or
-                 params.get("num_attention_heads") or 0, params.get("vocab_size") or 0)
+                 params.get("num_attention_heads") or 0, params.get("vocab_size") or 0,
+                 attention_copies=3 if "n_head" in params else 1)
 
 
 @dataclass
@@ -74,11 +76,11 @@ def estimate(shape: Shape, o: MemoryOptions, workers: int = 1) -> dict:
     m = 2 if o.moments_precision == "bf16" else 4
     tokens = o.batch_size * max(o.seq_len, 1)
     # Activations, fitted to MLX's peaks on the CPU (bench/memory.py): per block and token the
-    # backward pass keeps ~5 hidden-size, 3 MLP-width and one attention row of fp32 values; the
+    # backward pass keeps ~5 hidden-size, 3 MLP-width values and 1-3 attention rows in fp32; the
     # loss ~22 bytes per logit (the fp32 logits, their softmax and gradient). Checkpointed, a block
     # keeps its input only and one block is recomputed at a time. bf16 on the CPU adds ~30%: the
     # fp32 copies its matrix multiplies make.
-    per_block = tokens * 4 * (5 * shape.hidden + 3 * shape.ffn + shape.heads * max(o.seq_len, 1))
+    per_block = tokens * 4 * (5 * shape.hidden + 3 * shape.ffn + shape.attention_copies * shape.heads * max(o.seq_len, 1))
     if o.grad_checkpoint:
         blocks = shape.blocks * tokens * shape.hidden * w + per_block
     else:

@@ -85,7 +85,7 @@ def test_estimates_shrink_with_each_option_and_name_what_fits():
 
 @pytest.mark.skipif(bool(can_build()), reason=can_build())
 def test_launch_refuses_a_job_too_large_for_a_host_before_it_starts(tmp_path):
-    cluster = EmulatedCluster(2, tmp_path / "cluster", max_memory={2: 0.095})  # host2 offers 95 MB
+    cluster = EmulatedCluster(2, tmp_path / "cluster", max_memory={2: 0.016})  # host2 offers 16 MB
     try:
         config = tiny_config(workers=2, batch_size=16, seq_len=32)
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in config.to_dict().items() if not isinstance(v, bool)]
@@ -94,7 +94,7 @@ def test_launch_refuses_a_job_too_large_for_a_host_before_it_starts(tmp_path):
                              env={**os.environ, "MLX_DILOCO_SECRET": SECRET})
         assert out.returncode == 2, out.stderr[-2000:]
         line = out.stderr.strip().splitlines()[-1]
-        assert "host2 offers 95 MB for training" in line and "--precision bf16" in line, line
+        assert "host2 offers 16 MB for training" in line and "--precision bf16" in line, line
         assert not any((tmp_path / "cluster").glob("host*/jobs/*"))  # nothing started
     finally:
         cluster.close()
