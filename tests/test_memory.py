@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
