@@ -33,7 +33,8 @@ def main():
     from mlx_diloco.training.run import Run
     model, precision, *extra = sys.argv[1:]
     options = dict(model=model, workers=1, steps=4, sync_every=2, batch_size=4, seq_len=512, eval_batches=1,
-                   precision=precision, **{k: value(v) for k, v in (e.split("=", 1) for e in extra)})
+                   precision=precision)
+    options.update({k: value(v) for k, v in (e.split("=", 1) for e in extra)})
     run = Run(TrainConfig.from_dict(options), tempfile.mkdtemp() + "/r", SimCommunicator(1), log=lambda m: None)
     print(f"{model} {precision} {' '.join(extra)}: after setup active {mx.get_active_memory() / 1e9:.2f} GB, "
           f"peak {mx.get_peak_memory() / 1e9:.2f} GB", flush=True)
