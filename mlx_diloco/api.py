@@ -108,11 +108,8 @@ class Trainer:
         if isinstance(self.train, BatchStream):
             self.train = BatchStream(self.train.batches)  # a fresh cursor for every fit
         data = Dataset(self.train, self.eval)
-        if isinstance(self.model, str):
-            spec = load_spec(self.model)
-            model = build_model(spec, seed=config.seed)
-        else:
-            model = copy.deepcopy(self.model)  # every fit starts from the same initial weights
+        # every fit starts from the same initial weights
+        model = self.built_model(config.seed) if isinstance(self.model, str) else copy.deepcopy(self.model)
         parts = Parts(model, data, copy.deepcopy(strategy), loss=self.loss_fn)
         run = Run(config, run_dir, SimCommunicator(workers), resume=resume, log=self.log, parts=parts)
         summary = run.train()
@@ -120,6 +117,10 @@ class Trainer:
         mx.eval(model.parameters())
         return FitResult(model, MetricsLog.read(run_dir), run.bytes_sent, summary, run_dir,
                          run.exchange_log, run.compute_s / max(run.step, 1))
+
+    def built_model(self, seed: int):
+        """The model the Trainer names (a preset, folder or builder), initialised from `seed`."""
+        return build_model(load_spec(self.model), seed=seed)
 
     def why_one_process(self) -> str:
         """Why the replicas cannot be trained in other processes ('' if they can)."""
@@ -143,7 +144,7 @@ class Trainer:
         config = replace(config, model=self.model, data=str(data_file), loss=loss)
         run_processes(config, run_dir, K, resume=resume, log=self.log)
         state, meta = checkpoint.load(run_dir, log=lambda m: None)
-        model = build_model(load_spec(self.model), seed=config.seed)
+        model = self.built_model(config.seed)
         model.update(tree_map(lambda p: p[0], state["workers"]["params"]))  # the replicas end synced
         summary = json.loads((run_dir / "summary.json").read_text())
         return FitResult(model, MetricsLog.read(run_dir), summary["bytes_sent_per_worker"], summary, run_dir,

@@ -105,32 +105,29 @@ def estimate(shape: Shape, o: MemoryOptions, workers: int = 1) -> dict:
     return {**parts, "total": max(step_peak, sync_peak)}
 
 
-def fits(total_bytes: float, memory_bytes: float, gpu: bool = True) -> bool:
-    """Does a job of `total_bytes` fit a machine of `memory_bytes` (on a Mac, what the GPU may wire)?"""
-    return total_bytes <= memory_bytes * (GPU_SHARE if gpu else 0.9)
-
-
 def macs_it_fits(total_bytes: float) -> list:
-    return [gb for gb in MAC_MEMORY_GB if fits(total_bytes, gb * GB)]
+    """The Mac sizes (GB) whose GPU may wire a job of `total_bytes`."""
+    return [gb for gb in MAC_MEMORY_GB if total_bytes <= gb * GB * GPU_SHARE]
 
 
-def shrinking(shape: Shape) -> list:
+def shrinking(shape: Shape, o: MemoryOptions) -> list:
     """What makes a job smaller, in the order worth trying: bf16, checkpointing and offloading
-    leave the loss as it is, Streaming DiLoCo's fragments (two blocks each) shrink the sync and
-    did better than DiLoCo in our runs, bf16 moments cost a little (README, Memory)."""
-    return [("precision", "bf16"), ("grad_checkpoint", True), ("offload_outer", True),
-            ("fragments", max(shape.blocks // 2, 1)), ("moments_precision", "bf16")]
+    leave the loss as it is, Streaming DiLoCo's fragments (two blocks each; DiLoCo only) shrink the
+    sync and did better than DiLoCo in our runs, bf16 moments cost a little (README, Memory)."""
+    changes = [("precision", "bf16"), ("grad_checkpoint", True), ("offload_outer", True)]
+    if o.strategy == "diloco":
+        changes.append(("fragments", max(shape.blocks // 2, o.fragments, 1)))
+    return changes + [("moments_precision", "bf16")]
 
 
 def make_it_fit(shape: Shape, o: MemoryOptions, budget: float):
     """The first options, changing as little as the list above allows (then halving the batch),
     whose estimate fits `budget` bytes; None if even batch 1 does not."""
     candidate = o
-    for key, value in shrinking(shape):
+    for key, value in shrinking(shape, o):
         if estimate(shape, candidate)["total"] <= budget:
             return candidate
-        if key != "fragments" or o.strategy == "diloco":
-            candidate = replace(candidate, **{key: max(value, o.fragments) if key == "fragments" else value})
+        candidate = replace(candidate, **{key: value})
     while estimate(shape, candidate)["total"] > budget:
         if candidate.batch_size == 1:
             return None

@@ -146,7 +146,8 @@ def describe(agent_id: str, memory_cap: float = None) -> dict:
     if sys.platform == "darwin":
         tb = thunderbolt_links(ports, parse_thunderbolt(_run(["system_profiler", "SPThunderboltDataType", "-json"])))
     return {"id": agent_id, "host": socket.gethostname(), "version": __version__, "chip": chip(),
-            "memory": memory_bytes(), "training_memory": training_memory(memory_cap), "platform": sys.platform, "interfaces": interfaces(ports), "thunderbolt": tb}
+            "memory": memory_bytes(), "training_memory": training_memory(memory_cap), "platform": sys.platform,
+            "interfaces": interfaces(ports), "thunderbolt": tb}
 
 
 def valid_name(text: str) -> bool:

@@ -37,6 +37,11 @@ def stack_copies(tree, n: int):
     return tree_map(lambda x: mx.broadcast_to(x[None], (n, *x.shape)), tree)
 
 
+def placeholders(tree):
+    """Unevaluated zeros shaped like `tree`: its shapes and dtypes without its memory."""
+    return tree_map(lambda x: mx.zeros(x.shape, x.dtype), tree)
+
+
 def flatten_workers(tree):
     """A tree of (n, ...) arrays -> one (n, L) float32 buffer, and how to undo it."""
     flat = tree_flatten(tree)

@@ -13,13 +13,12 @@ Both change a module's class in place (a subclass of its own), so parameter path
 and Streaming DiLoCo's fragments are unchanged.
 """
 
-import re
 import sys
 
 import mlx.core as mx
 import mlx.nn as nn
 
-BLOCK_PATH = re.compile(r"(?:^|\.)(?:h|layers)\.\d+$")  # our GPT's blocks, mlx-lm's layers
+from .zoo import BLOCK
 
 
 @mx.custom_function
@@ -97,7 +96,7 @@ def checkpointed(cls):
 
 def checkpoint_blocks(model: nn.Module) -> int:
     """Checkpoint every transformer block of `model`; returns how many there are."""
-    blocks = [m for path, m in model.named_modules() if BLOCK_PATH.search(path)]
+    blocks = [m for path, m in model.named_modules() if (b := BLOCK.search(path)) and b.end() == len(path)]
     for m in blocks:
         m.__class__ = checkpointed(type(m))
     return len(blocks)

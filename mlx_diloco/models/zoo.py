@@ -13,6 +13,7 @@ On a cluster the module must be importable on every machine.
 import difflib
 import inspect
 import json
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -92,6 +93,9 @@ def checked_spec(spec: ModelSpec) -> ModelSpec:
         mlx_lm_classes(spec)
     return spec
 
+
+# A transformer block's path, parameter or module: `h.N` (our GPT) or `layers.N` (mlx-lm); N in group 1.
+BLOCK = re.compile(r"(?:^|\.)(?:h|layers)\.(\d+)(?=\.|$)")
 
 OWN_TYPES = ("gpt", "cnn", "mlx-lm", "python")  # a model folder, a builder; any other type: an mlx-lm architecture
 

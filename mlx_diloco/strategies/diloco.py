@@ -13,10 +13,10 @@ import tempfile
 from dataclasses import dataclass
 
 import mlx.optimizers as optim
-import mlx.core as mx
-from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from ..exchange.codecs import get_codec
+from ..exchange.comm import placeholders
 from .base import Strategy, mean_gradients, option
 from .fragments import Fragment, gather, global_tree, partition
 
@@ -70,7 +70,7 @@ class DiLoCo(Strategy):
     def setup(self, params):
         P, H = self.fragments, self.sync_every
         # The tree's shape, not its values: holding the initial weights would keep a model's worth of memory.
-        self.template = tree_map(lambda p: mx.zeros(p.shape, p.dtype), params)
+        self.template = placeholders(params)
         flat = {k: v[None] for k, v in tree_flatten(params)}
         # Scratch files for the offloaded outer state, removed with the strategy.
         self.offload_dir = tempfile.TemporaryDirectory(prefix="mlx-diloco-outer-") if self.offload_outer else None

@@ -12,7 +12,6 @@ its values form one flat buffer: one exchange per sync, and elementwise outer op
 it as they would on the tree.
 """
 
-import re
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -20,8 +19,8 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..exchange.codecs import Codec
+from ..models.zoo import BLOCK
 
-BLOCK = re.compile(r"(?:^|\.)(?:h|layers)\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -84,33 +83,41 @@ def scatter(flat_params: dict, pieces: list, values: mx.array) -> dict:
 
 
 class OuterStore:
-    """A fragment's global values and outer optimizer state, in memory, or (`folder` given) in a
-    safetensors file between the syncs that use them: out of the training memory, read once per sync."""
+    """A fragment's global values and outer optimizer state: in memory, or (`folder` given) each in
+    a safetensors file between the syncs that use them, out of the training memory."""
 
     def __init__(self, global_values: mx.array, outer: optim.Optimizer, folder=None, name: str = ""):
-        self.outer, self.file = outer, f"{folder}/{name}.safetensors" if folder else None
-        self.size = global_values.size
+        self.outer, self.size = outer, global_values.size
+        self.file = f"{folder}/{name}.safetensors" if folder else None               # global values
+        self.outer_file = f"{folder}/{name}-outer.safetensors" if folder else None   # outer state
         mx.eval(global_values)  # not a lazy view: that would keep the whole initial model alive
-        self.outer.init({"p": global_values})
-        self.put(global_values)
+        outer.init({"p": global_values})
+        self.global_values, self.outer_state = global_values, outer.state
 
-    def get(self):
-        """(global values, outer state): loaded from the file when offloaded."""
-        if self.file is None:
-            return self.global_values, self.outer.state
-        saved = mx.load(self.file)
-        state = {**self.outer.state, "p": tree_unflatten([(k[len("outer."):], v) for k, v in saved.items()
-                                                          if k.startswith("outer.")])}
-        return saved["global"], state
+    @property
+    def global_values(self) -> mx.array:
+        return mx.load(self.file)["global"] if self.file else self._global
 
-    def put(self, global_values: mx.array, state: dict = None):
-        state = self.outer.state if state is None else state
-        if self.file is None:
-            self.global_values, self.outer.state = global_values, state
-            return
-        mx.save_safetensors(self.file, {"global": global_values,
-                                        **{f"outer.{k}": v for k, v in tree_flatten(state["p"])}})
-        self.outer.state = {k: v for k, v in state.items() if k != "p"}  # the step count, the lr
+    @global_values.setter
+    def global_values(self, values: mx.array):
+        if self.file:
+            mx.save_safetensors(self.file, {"global": values})
+        else:
+            self._global = values
+
+    @property
+    def outer_state(self) -> dict:
+        """The outer optimizer's state, its per-value arrays ("p") read back when offloaded."""
+        if not self.file:
+            return self.outer.state
+        return {**self.outer.state, "p": tree_unflatten(list(mx.load(self.outer_file).items()))}
+
+    @outer_state.setter
+    def outer_state(self, state: dict):
+        if self.file:
+            mx.save_safetensors(self.outer_file, dict(tree_flatten(state["p"])))
+            state = {k: v for k, v in state.items() if k != "p"}  # the step count, the lr stay
+        self.outer.state = state
 
 
 class Fragment:
@@ -143,11 +150,11 @@ class Fragment:
 
     @property
     def global_values(self) -> mx.array:
-        return self.store.get()[0]
+        return self.store.global_values
 
     @global_values.setter
     def global_values(self, values: mx.array):
-        self.store.put(values, self.store.get()[1])
+        self.store.global_values = values
 
     def is_send_step(self, step: int) -> bool:
         return (step - self.offset) % self.sync_every == 0
@@ -171,10 +178,10 @@ class Fragment:
         a run every worker takes the global values as they are)."""
         mean_delta = self.pending.result()
         self.pending, self.apply_at, self.sent = None, None, None
-        global_values, self.outer.state = self.store.get()
-        global_values = self.outer.apply_gradients({"p": mean_delta}, {"p": global_values})["p"]
+        self.outer.state = self.store.outer_state
+        global_values = self.outer.apply_gradients({"p": mean_delta}, {"p": self.store.global_values})["p"]
         mx.eval(global_values, self.outer.state)
-        self.store.put(global_values)
+        self.store.global_values, self.store.outer_state = global_values, self.outer.state
         merged = global_values[None]
         if self.alpha > 0 and not final:
             merged = self.alpha * gather(flat_params, self.pieces) + (1 - self.alpha) * merged
@@ -186,7 +193,7 @@ class Fragment:
 
     def state(self) -> dict:
         """Outer optimizer state, error-feedback buffer, and an exchange in flight (what this worker sent)."""
-        out = {"outer": self.store.get()[1]}
+        out = {"outer": self.store.outer_state}
         if self.error is not None:
             out["error"] = self.error
         if self.pending is not None:
@@ -195,7 +202,7 @@ class Fragment:
 
     def load_state(self, state: dict, comm):
         """Restore, and start again the exchange that was in flight: every worker resends what it sent."""
-        self.store.put(self.global_values, state["outer"])
+        self.store.outer_state = state["outer"]
         if self.error is not None:
             self.error = state["error"]
         if "in_flight" in state:

@@ -10,7 +10,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
-from ..exchange.comm import stack_copies
+from ..exchange.comm import placeholders, stack_copies
 from ..models import fastmath
 
 
@@ -40,7 +40,7 @@ class Workers:
         self.clip = clip and config.grad_clip > 0
         self.params = stack_copies(model.trainable_parameters(), n_local)
         # Unevaluated zeros of the model's shape: what the model holds between uses (see release).
-        self._placeholders = tree_map(lambda p: mx.zeros(p.shape, p.dtype), model.trainable_parameters())
+        self._placeholders = placeholders(model.trainable_parameters())
         self.optimizer = optimizer
         self.optimizer.init(self.params)
         self._grad_fn = mx.value_and_grad(self.loss)
