@@ -9,6 +9,7 @@ Arguments: a preset, a precision, then config keys and DiLoCo options as key=val
 batch 4 x 512, a sync after step 2.
 """
 
+import json
 import sys
 import tempfile
 import time
@@ -23,7 +24,10 @@ if __name__ == "__main__":
 
 
 def value(text: str):
-    return {"true": True, "false": False}.get(text, int(text) if text.isdigit() else text)
+    try:
+        return json.loads(text)  # true, 4, 2.5
+    except json.JSONDecodeError:
+        return text
 
 
 def main():

@@ -29,11 +29,15 @@ HELP = {
     "eval_batches": "held-out batches per evaluation",
     "seed": "random seed (model init, data order)",
     "link": "network for the time model: tb5, tb4, 10gbe, 1gbe, wifi, internet, or e.g. '100mbit/20ms'",
+    "step_time": "modelled seconds per inner step of a speed-1 worker, for the time model (0: as measured)",
+    "worker_speeds": "relative worker speeds, one per worker, e.g. 1,1,0.5,0.25 (simulates a mixed cluster)",
+    "speed_policy": "with worker speeds: fixed (H steps each; fast workers wait) or time (each worker takes the steps that fit a round)",
     "vectorize": "train simulated workers together with mx.vmap (--no-vectorize: one after another)",
     "loss": "loss function 'package.module:function' taking (model, x, y) (default: cross-entropy)",
     "precision": "fp32, or bf16: weights, activations and gradients in bfloat16 (AdamW moments stay fp32)",
     "moments_precision": "AdamW moments in fp32, or bf16 (half their memory)",
     "grad_checkpoint": "recompute each block's activations in the backward pass: less memory, one more forward pass",
+    "memory_limit": "GB this process keeps to: MLX waits for work in flight instead of allocating past it (0: MLX's default)",
 }
 
 
@@ -83,27 +87,66 @@ def config_from_args(args) -> TrainConfig:
 # ------------------------------------------------------------------ commands
 
 def cmd_sim(args):
-    from .exchange.comm import SimCommunicator
-    from .training.run import Run
+    from .training.processes import simulate
     if args.resume and not args.run_dir:
         raise ConfigError("--resume needs --run-dir naming the run to continue")
     config = config_from_args(args)
     run_dir = Path(args.run_dir or f"runs/{config.strategy}-x{config.workers}-{time.strftime('%Y%m%d-%H%M%S')}")
     args.on_interrupt = f"continue with: mlx-diloco sim --resume --run-dir {run_dir}"
-    log = lambda m: print(m, file=sys.stderr)  # noqa: E731
-    from .training.processes import choose_processes, run_processes
-    processes = choose_processes(config.workers, args.processes, run_dir, args.resume)
-    if processes > 1:
-        run_processes(config, run_dir, processes, resume=args.resume, log=log)
-    else:
-        run = Run(config, run_dir, SimCommunicator(config.workers), resume=args.resume, log=log)
-        print(f"{run.config.strategy} with {run.config.workers} simulated workers, model {run.config.model} "
-              f"({run.n_params / 1e6:.2f}M parameters), data {run.config.data} -> {run_dir}", file=sys.stderr)
-        print_summary(run.train())
+    print_summary(simulate(config, run_dir, args.processes, args.resume, log=lambda m: print(m, file=sys.stderr)))
     from .models.zoo import load_spec
     if load_spec(config.model).is_language_model and args.sample_tokens:
         from .generate import generate
         print("\nsample:\n" + args.prompt + "".join(generate(run_dir, args.prompt, args.sample_tokens)))
+
+
+def cmd_gym_list(args):
+    from .gym.problems import PROBLEMS
+    for p in PROBLEMS.values():
+        c = p.settings(args.size)
+        speeds = f", worker speeds {c['worker_speeds']}" if c.get("worker_speeds") else ""
+        print(f"{p.name:20} {p.about}\n{'':20} {c['model']} on {c['data']}, {c['workers']} workers x {c['steps']} "
+              f"steps, link {c['link']}, {c['step_time']:g} s per step{speeds}; target eval loss {p.target_loss}")
+
+
+def cmd_gym_run(args):
+    from .gym import scorecard
+    from .gym.problems import get_problem
+    from .training.processes import simulate
+    problem = get_problem(args.problem)
+    if args.resume and not args.run_dir:
+        raise ConfigError("--resume needs --run-dir naming the run to continue")
+    config = config_from_args(args) if args.resume else config_from_flags(args, defaults=problem.settings(args.size))
+    run_dir = Path(args.run_dir or f"runs/gym/{problem.name}/{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
+    args.on_interrupt = f"continue with: mlx-diloco gym run {problem.name} --resume --run-dir {run_dir}"
+    simulate(config, run_dir, args.processes, args.resume, log=lambda m: print(m, file=sys.stderr))
+    card = scorecard.scorecard(run_dir, problem)
+    path = scorecard.save(card, run_dir)
+    print(scorecard.describe(card) + f"\n  scorecard: {path}")
+
+
+def cmd_gym_compare(args):
+    from .gym import scorecard
+    cards = [scorecard.load(p) for p in args.cards]
+    print(scorecard.table(cards))
+    if args.out:
+        print(f"\nplot: {scorecard.plot(cards, Path(args.out), title=args.title)}")
+
+
+def cmd_sweep(args):
+    from .gym.problems import get_problem
+    from .gym.sweep import parse_grid, run_sweep
+    from .gym import scorecard
+    from .training.processes import simulate
+    problem = get_problem(args.problem) if args.problem else None
+    base = {**(problem.settings(args.size) if problem else {}),
+            **(TrainConfig.from_file(args.config).to_dict() if args.config else {}), **given_flags(args)}
+    log = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    args.on_interrupt = "run the same command again to resume the sweep"
+    cards = run_sweep(base, parse_grid(args.grid), Path(args.out),
+                      train=lambda config, run_dir, resume: simulate(config, run_dir, args.processes, resume, log),
+                      problem=problem, log=log)
+    print(scorecard.table(cards) + f"\n\ntable: {Path(args.out) / 'sweep.md'}, plots: {Path(args.out) / 'sweep.png'}")
 
 
 def cmd_worker(args):
@@ -272,6 +315,38 @@ def build_parser(config_flags: bool = True):
     s.add_argument("--prompt", default="ROMEO:", help="prompt for the final sample")
     s.set_defaults(func=cmd_sim)
 
+    s = sub.add_parser("gym", help="benchmark problems: run a strategy on one, compare scorecards")
+    gym = s.add_subparsers(dest="gym_command", required=True)
+    g = gym.add_parser("list", help="the benchmark problems")
+    g.add_argument("--size", default="cpu", choices=["cpu", "large"], help="the problems' variant")
+    g.set_defaults(func=cmd_gym_list)
+    g = gym.add_parser("run", help="train a strategy on a problem; print and save its scorecard")
+    g.add_argument("problem", help="a problem name (mlx-diloco gym list)")
+    g.add_argument("--size", default="cpu", choices=["cpu", "large"],
+                   help="cpu: minutes on a 2-core CPU; large: for a Mac or a GPU")
+    if config_flags:
+        add_config_flags(g)
+    g.add_argument("--run-dir", help="folder for the run (default: runs/gym/PROBLEM/STRATEGY-TIME)")
+    g.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
+    g.add_argument("--processes", type=int, default=0, help="local processes (as for sim; 0: one per core on a CPU)")
+    g.set_defaults(func=cmd_gym_run)
+    g = gym.add_parser("compare", help="table (Markdown) and plot of scorecards")
+    g.add_argument("cards", nargs="+", help="scorecard.json files or run folders")
+    g.add_argument("--out", help="PNG: eval loss against modelled time, bytes sent and tokens")
+    g.add_argument("--title", help="title of the plot")
+    g.set_defaults(func=cmd_gym_compare)
+
+    s = sub.add_parser("sweep", help="one run per point of a grid: a table and plots (resumes when run again)")
+    s.add_argument("--grid", action="append", required=True,
+                   help="KEY=V1,V2,... over a config key or strategy option (repeatable), e.g. sync_every=10,50")
+    s.add_argument("--problem", help="a gym problem as the base settings (else sim's defaults)")
+    s.add_argument("--size", default="cpu", choices=["cpu", "large"], help="the problem's variant")
+    s.add_argument("--out", required=True, help="folder for the runs, sweep.md and sweep.png")
+    s.add_argument("--processes", type=int, default=0, help="local processes per run (as for sim)")
+    if config_flags:
+        add_config_flags(s)
+    s.set_defaults(func=cmd_sweep)
+
     s = sub.add_parser("worker", help="run one worker of a cluster job (MLX_RANK and MLX_HOSTFILE set)")
     s.add_argument("--config", required=True, help="the job's JSON config")
     s.add_argument("--run-dir", required=True, help="folder for metrics and checkpoints (written by rank 0)")
@@ -376,7 +451,7 @@ def main(argv=None):
     from .blas import ensure_fast_blas
     ensure_fast_blas(None if argv is None else ["-m", "mlx_diloco", *argv])
     command = (sys.argv[1:] if argv is None else argv)[:1]
-    args = build_parser(config_flags=command in (["sim"], ["launch"])).parse_args(argv)
+    args = build_parser(config_flags=command in (["sim"], ["launch"], ["gym"], ["sweep"])).parse_args(argv)
     try:
         args.func(args)
     except ConfigError as e:

@@ -71,12 +71,16 @@ class TrainConfig:
     eval_batches: int = 8
     seed: int = 0
     link: str = "1gbe"              # network preset (or 'BW[/LATENCY]', e.g. '100mbit/20ms') for the time model
+    step_time: float = 0.0          # modelled seconds of a speed-1 inner step (0: as measured here)
+    worker_speeds: str = ""         # relative speeds, one per worker ('1,1,0.5,0.25'); '' all equal
+    speed_policy: str = "fixed"     # fixed (H steps each, fast workers wait) or time (training/speeds.py)
     vectorize: bool = True          # train simulated workers with mx.vmap (False: one after another)
     loss: str = ""                  # '' cross-entropy; or an importable loss function 'package.module:function'
     # Memory (issue 11): what the replicas are stored and computed in
     precision: str = "fp32"         # fp32, or bf16: weights, activations, gradients (models/precision.py)
     moments_precision: str = "fp32"  # AdamW's moments: fp32, or bf16 (half their memory)
     grad_checkpoint: bool = False   # recompute each block's activations in the backward pass (mx.checkpoint)
+    memory_limit: float = 0.0       # GB per process that MLX keeps to (0: MLX's default); see training/run.py
 
     @classmethod
     def from_dict(cls, params: dict, check_strategy: bool = True) -> "TrainConfig":
@@ -156,4 +160,8 @@ class TrainConfig:
         for key in ("precision", "moments_precision"):
             need(getattr(self, key) in PRECISIONS,
                  f"{key.replace('_', '-')} must be one of {', '.join(PRECISIONS)} (got '{getattr(self, key)}')")
+        from .training.speeds import Speeds
+        Speeds.of(self)  # the worker speeds and their policy
+        need(self.step_time >= 0, f"step-time must be >= 0 seconds, 0 to measure it (got {self.step_time})")
+        need(self.memory_limit >= 0, f"memory-limit must be >= 0 GB, 0 for MLX's default (got {self.memory_limit})")
         need(not self.loss or ":" in self.loss, f"loss '{self.loss}' must name a function as 'package.module:function'")

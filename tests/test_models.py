@@ -5,8 +5,8 @@ import pytest
 
 from mlx_diloco.exchange.comm import SimCommunicator
 from mlx_diloco.models import fastmath
-from mlx_diloco.config import TrainConfig
-from mlx_diloco.data.datasets import FASHION_MNIST_DIR
+from mlx_diloco.config import ConfigError, TrainConfig
+from mlx_diloco.data.datasets import fashion_mnist_places, find_fashion_mnist, is_fashion_mnist_folder
 from mlx_diloco.models.zoo import build_model, count_parameters, load_spec, preset_names
 from mlx_diloco.training.run import Run
 
@@ -26,7 +26,10 @@ def test_language_models_produce_logits(name):
     assert model(mx.zeros((2, 8), dtype=mx.int32)).shape == (2, 8, 512)
 
 
-@pytest.mark.skipif(not FASHION_MNIST_DIR.exists(), reason="needs Debian's dataset-fashion-mnist")
+HAVE_FASHION_MNIST = any(is_fashion_mnist_folder(p) for p in fashion_mnist_places())
+
+
+@pytest.mark.skipif(not HAVE_FASHION_MNIST, reason="needs Fashion-MNIST (Debian: dataset-fashion-mnist)")
 def test_cnn_learns_fashion_mnist(tmp_path):
     config = TrainConfig.from_dict(dict(model="cnn", data="fashion-mnist", workers=2, steps=30, sync_every=10,
                                         batch_size=32, warmup=5, eval_batches=4))
@@ -34,6 +37,23 @@ def test_cnn_learns_fashion_mnist(tmp_path):
     summary = run.train()
     first = float(__import__("json").loads((tmp_path / "cnn" / "metrics.jsonl").read_text().splitlines()[0])["eval_loss"])
     assert summary["final_eval_loss"] < first - 0.5
+
+
+@pytest.mark.skipif(not HAVE_FASHION_MNIST, reason="needs Fashion-MNIST (Debian: dataset-fashion-mnist)")
+def test_fashion_mnist_is_found_where_the_user_keeps_it(tmp_path, monkeypatch):
+    """macOS has no Debian package: a folder given by --data, or by MLX_DILOCO_FASHION_MNIST; else
+    an error naming where it looked and how to get the files."""
+    folder = tmp_path / "my-fashion"
+    folder.mkdir()
+    for f in find_fashion_mnist().iterdir():
+        (folder / f.name).symlink_to(f)
+    config = TrainConfig.from_dict(dict(model="cnn", data=str(folder), workers=1, steps=1, batch_size=8))
+    Run(config, tmp_path / "by-path", SimCommunicator(1), log=lambda m: None)  # --data FOLDER: an image model fits it
+    monkeypatch.setenv("MLX_DILOCO_FASHION_MNIST", str(folder))
+    assert find_fashion_mnist() == folder
+    monkeypatch.setattr("mlx_diloco.data.datasets.fashion_mnist_places", lambda: [tmp_path / "nowhere"])
+    with pytest.raises(ConfigError, match=r"Fashion-MNIST not found \(looked in .*nowhere\).*ubyte.gz.*--data FOLDER"):
+        find_fashion_mnist()
 
 
 def test_softmax_and_cross_entropy_through_powers_of_two_match_mlx():

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 from ..config import ConfigError, TrainConfig
@@ -180,6 +181,10 @@ class Agent:
             args += self._materialize_data(folder, msg["worker_id"], msg["data"])
             if msg["resume_step"] is not None:
                 args += ["--resume-step", str(msg["resume_step"])]
+            if self.max_memory and not 0 < config.memory_limit * 1e9 <= self.max_memory:
+                # The memory this machine offers is a limit its worker keeps to, not only a number
+                # the launcher checks: MLX waits for queued work before allocating past it.
+                config = replace(config, memory_limit=round(self.max_memory / 1e9, 3))
             (folder / "config.json").write_text(json.dumps(config.to_dict()))
             (folder / "hostfile.json").write_text(json.dumps(hostfile))
             (folder / "progress.json").unlink(missing_ok=True)

@@ -25,7 +25,9 @@ from ..config import ConfigError
 VAL_FRACTION = 0.05
 EMBEDDED = "shakespeare"
 FASHION_MNIST = "fashion-mnist"
-FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+FASHION_MNIST_FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
+                       "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
+FASHION_MNIST_URL = "https://github.com/zalandoresearch/fashion-mnist/tree/master/data/fashion"
 
 
 def cache_root() -> Path:
@@ -265,10 +267,32 @@ def _read_idx(path: Path) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
 
 
-def prepare_fashion_mnist(folder: Path = FASHION_MNIST_DIR) -> Dataset:
-    if not (folder / "train-images-idx3-ubyte.gz").exists():
-        raise ConfigError(f"Fashion-MNIST not found in {folder}; install it "
-                          "(Debian/Ubuntu: sudo apt-get install dataset-fashion-mnist)")
+def fashion_mnist_places() -> list:
+    """Where Fashion-MNIST's four .gz files are looked for, in order: $MLX_DILOCO_FASHION_MNIST,
+    our cache, where Keras and torchvision keep them, and Debian's package."""
+    env = os.environ.get("MLX_DILOCO_FASHION_MNIST")
+    home = Path.home()
+    return [Path(p) for p in ([env] if env else [])] + [
+        cache_root() / "fashion-mnist", home / ".keras" / "datasets" / "fashion-mnist",
+        home / "data" / "FashionMNIST" / "raw", Path("/usr/share/datasets/fashion-mnist")]
+
+
+def is_fashion_mnist_folder(folder: Path) -> bool:
+    return all((Path(folder) / name).is_file() for name in FASHION_MNIST_FILES)
+
+
+def find_fashion_mnist() -> Path:
+    for folder in fashion_mnist_places():
+        if is_fashion_mnist_folder(folder):
+            return folder
+    raise ConfigError(
+        f"Fashion-MNIST not found (looked in {', '.join(str(p) for p in fashion_mnist_places())}); put its four "
+        f"*-ubyte.gz files ({FASHION_MNIST_URL}) in {cache_root() / 'fashion-mnist'} or pass --data FOLDER "
+        "(Debian/Ubuntu: sudo apt-get install dataset-fashion-mnist)")
+
+
+def prepare_fashion_mnist(folder: Path) -> Dataset:
+    """Fashion-MNIST from a folder of its four .gz files (`data: fashion-mnist` finds one)."""
     def split(prefix):
         images = _read_idx(folder / f"{prefix}-images-idx3-ubyte.gz").astype(np.float32) / 255.0
         labels = _read_idx(folder / f"{prefix}-labels-idx1-ubyte.gz").astype(np.int32)
@@ -321,7 +345,9 @@ def prepare_arrays(path: Path) -> Dataset:
 
 def prepare(source: str, seq_len: int, vocab_size: int, tokenizer: str = "", log=print) -> Dataset:
     if source == FASHION_MNIST:
-        return prepare_fashion_mnist()
+        return prepare_fashion_mnist(find_fashion_mnist())
+    if is_fashion_mnist_folder(source):
+        return prepare_fashion_mnist(Path(source))
     if source.endswith(".npz"):
         return prepare_arrays(Path(source))
     return prepare_text(source, seq_len, vocab_size, tokenizer, log=log)

@@ -72,6 +72,11 @@ def default_inner_optimizer(config) -> optim.AdamW:
 class Strategy:
     name = "base"
     clip_gradients = True  # the run clips each worker's gradients (grad-clip) before the inner update
+    # Workers may take different numbers of inner steps between syncs (speed-policy time): only
+    # for strategies that exchange nothing between syncs. The run then sets `sync_weights`, one
+    # factor per local worker on what it sends (training/speeds.py).
+    steps_can_differ = False
+    sync_weights = None
 
     def __new__(cls, *args, **options):
         names = [f.name for f in fields(cls)] if hasattr(cls, "__dataclass_fields__") else []

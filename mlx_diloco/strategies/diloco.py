@@ -24,6 +24,7 @@ from .fragments import Fragment, gather, global_tree, partition
 @dataclass
 class DiLoCo(Strategy):
     name = "diloco"
+    steps_can_differ = True
     sync_every: int = option(50, "H: inner steps between a fragment's outer steps")
     outer_lr: float = option(0.7, "outer SGD learning rate")
     outer_momentum: float = option(0.9, "outer Nesterov momentum (0: plain SGD)")
@@ -102,12 +103,12 @@ class DiLoCo(Strategy):
             for f in self.parts:
                 if f.pending is not None:
                     flat = f.perform_sync(flat)
-                f.prepare_sync(flat, self.comm, step)
+                f.prepare_sync(flat, self.comm, step, self.sync_weights)
                 flat = f.perform_sync(flat, final=True)
         else:
             for f in self.parts:   # every worker starts the fragments' exchanges in the same order
                 if f.is_send_step(step - K):
-                    f.prepare_sync(flat, self.comm, step)
+                    f.prepare_sync(flat, self.comm, step, self.sync_weights)
             for f in self.parts:
                 if f.pending is not None and f.apply_at == step:
                     flat = f.perform_sync(flat)

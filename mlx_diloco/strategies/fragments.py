@@ -159,9 +159,12 @@ class Fragment:
     def is_send_step(self, step: int) -> bool:
         return (step - self.offset) % self.sync_every == 0
 
-    def prepare_sync(self, flat_params: dict, comm, step: int):
-        """Start exchanging the pseudo-gradient  global - local  (plus what compression lost last time)."""
+    def prepare_sync(self, flat_params: dict, comm, step: int, weights=None):
+        """Start exchanging the pseudo-gradient  global - local  (plus what compression lost last
+        time); `weights`, one per local worker, scale what each sends (the mean becomes weighted)."""
         delta = self.global_values[None] - gather(flat_params, self.pieces)
+        if weights is not None:
+            delta = delta * mx.array(weights)[:, None]
         if self.error is not None:
             delta = delta + self.error
             self.error = delta - self.codec.roundtrip(delta)  # what this worker's message will lack

@@ -12,6 +12,7 @@ from .sparta import SPARTA
 @dataclass
 class SPARTADiLoCo(DiLoCo):
     name = "sparta-diloco"
+    steps_can_differ = False  # SPARTA exchanges after every step
     sync_every: int = option(50, "H: inner steps between outer steps (0: none, SPARTA alone)")
     fraction: float = option(0.005, "p: fraction of the parameters averaged after every inner step")
     index_seed: int = option(0, "seed of SPARTA's random indices")

@@ -119,3 +119,19 @@ def run_processes(config: TrainConfig, run_dir: Path, processes: int, resume: bo
                 if p.poll() is None:
                     p.kill()
                 p.wait()
+
+
+def simulate(config: TrainConfig, run_dir: Path, processes: int = 0, resume: bool = False, log=print) -> dict:
+    """Train `config`'s simulated workers on this machine (in `processes` processes; 0: one per
+    core on a CPU) and return the run's summary: what `sim`, `gym run` and `sweep` do."""
+    from ..exchange.comm import SimCommunicator
+    from .run import Run
+    run_dir = Path(run_dir)
+    K = choose_processes(config.workers, processes, run_dir, resume)
+    if K > 1:
+        run_processes(config, run_dir, K, resume=resume, log=log)
+        return json.loads((run_dir / "summary.json").read_text())
+    run = Run(config, run_dir, SimCommunicator(config.workers), resume=resume, log=log)
+    log(f"{run.config.strategy} with {run.config.workers} simulated workers, model {run.config.model} "
+        f"({run.n_params / 1e6:.2f}M parameters), data {run.config.data} -> {run_dir}")
+    return run.train()

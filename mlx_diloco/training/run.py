@@ -18,13 +18,15 @@ from tqdm import tqdm
 
 from ..atomic import atomic_write_text
 from ..config import DEFAULT_MAX_SEQ_LEN, ConfigError, TrainConfig
-from ..data.datasets import EMBEDDED, FASHION_MNIST, BatchStream, ShardSampler, load_shard, prepare
+from ..data.datasets import (EMBEDDED, FASHION_MNIST, BatchStream, ShardSampler, is_fashion_mnist_folder,
+                             load_shard, prepare)
 from ..exchange.comm import Communicator
 from ..exchange.network import exchange_time, parse_link
 from ..models.precision import checkpoint_blocks, to_bf16
 from ..models.zoo import build_model, count_parameters, import_builder, load_spec
 from . import checkpoint
 from .metrics import MetricsLog, human_bytes
+from .speeds import Speeds
 from .workers import Workers
 
 
@@ -54,7 +56,8 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
                      tokenizer=absolute(config.tokenizer))
     spec = load_spec(config.model)
     arrays = config.data.endswith(".npz")  # examples as arrays (the API's data): any model, no tokens
-    if not arrays and spec.is_language_model != (config.data != FASHION_MNIST):
+    images = config.data == FASHION_MNIST or is_fashion_mnist_folder(config.data)
+    if not arrays and spec.is_language_model == images:
         raise ConfigError(f"model '{config.model}' does not fit data '{config.data}': "
                           "the cnn preset trains on fashion-mnist, language models on text")
     config.make_strategy().check_model(spec)
@@ -131,6 +134,11 @@ class Run:
             raise ConfigError(f"the job has {comm.num_workers} workers but the config says {config.workers}")
         parts = parts or parts_from_config(config, log, place.shard_dir)
         self.spec, self.data, model = parts.spec, parts.data, parts.model
+        if config.memory_limit:
+            # MLX's CPU queues a graph's operations ahead of running them, allocating each output as
+            # it is queued: without a limit a step holds every intermediate at once (measured on a
+            # 1B model: 16.5 GB for what needs 11). Past the limit, MLX waits for queued work first.
+            mx.set_memory_limit(int(config.memory_limit * 1e9))
         if config.precision == "bf16":
             to_bf16(model)
         if config.grad_checkpoint and not checkpoint_blocks(model):
@@ -138,6 +146,9 @@ class Run:
                               "drop --grad-checkpoint")
         self.link = parse_link(config.link)
         self.strategy = parts.strategy.bind(comm, config.steps)
+        self.speeds = Speeds.of(config)
+        if self.speeds and self.speeds.policy == "time":
+            self._pace_by_time()
         self.strategy.setup(model.trainable_parameters())
         # Evaluations every outer step of a periodic strategy (else every 50 steps); checkpoints too.
         period = self.strategy.sync_every
@@ -170,6 +181,27 @@ class Run:
             if self.data.tokenizer_dir:
                 shutil.copytree(self.data.tokenizer_dir, self.run_dir / "tokenizer", dirs_exist_ok=True)
 
+    def _pace_by_time(self):
+        """Workers take the steps that fit a round (training/speeds.py): check that the strategy
+        allows it, and weigh each worker's pseudo-gradient by the tokens it processed."""
+        s, H = self.strategy, self.strategy.sync_every
+        if not s.steps_can_differ or getattr(s, "ddp_warmup_steps", 0):
+            raise ConfigError(f"speed-policy time needs a strategy that exchanges only at its syncs "
+                              f"(diloco, fedavg, muloco; no ddp-warmup-steps), not {s.name}; use --speed-policy fixed")
+        steps = self.speeds.steps_taken(H)
+        if min(steps) == 0:
+            slow = steps.index(0)
+            raise ConfigError(f"worker {slow} (speed {self.speeds.speeds[slow]:g}) takes no step in a round of "
+                              f"H = {H} ticks; raise --sync-every or its speed")
+        weights = self.speeds.sync_weights(H)
+        s.sync_weights = [weights[w] for w in self.comm.local_workers]
+
+    def tokens(self) -> int:
+        """Tokens (examples, for non-text data) the workers have trained on so far."""
+        c = self.config
+        steps = self.speeds.steps_taken(self.step) if self.speeds else [self.step] * c.workers
+        return sum(steps) * c.batch_size * max(c.seq_len, 1)
+
     # ------------------------------------------------------------ the loop
     def next_batch(self):
         if isinstance(self.data.train, BatchStream):
@@ -186,27 +218,35 @@ class Run:
         bar = tqdm(total=c.steps, initial=self.step, disable=not self.reporter, file=sys.stderr,
                    desc=f"{c.strategy} x{c.workers}", dynamic_ncols=True)
         loss_sum, loss_count, tokens_per_step = 0, 0, c.batch_size * max(c.seq_len, 1) * self.comm.n_local
+        step_s = dt = 0.0  # (until this process's workers take a step: a slow one may wait at first)
         while self.step < c.steps:
             x, y = self.next_batch()
             t0, wait0 = time.perf_counter(), self.comm.wait_s
-            losses = self.workers.step(x, y, self.strategy, self.step + 1)
-            dt = time.perf_counter() - t0
+            active = self._active(self.step + 1)
+            stepped = active is None or any(active)  # else this process's workers wait out the tick
+            if stepped:
+                losses = self.workers.step(x, y, self.strategy, self.step + 1, active)
+                loss_sum, loss_count = loss_sum + losses, loss_count + 1
+                dt = time.perf_counter() - t0
+                step_s = (dt - (self.comm.wait_s - wait0)) / self.comm.n_local  # DDP syncs inside the step
             self.step += 1
-            self.compute_s += (dt - (self.comm.wait_s - wait0)) / self.comm.n_local  # DDP syncs inside the step
-            loss_sum, loss_count = loss_sum + losses, loss_count + 1
+            step_s = c.step_time or step_s
+            self.compute_s += self.speeds.tick_seconds(step_s) if self.speeds else step_s
             evaluate = self.step % self.eval_every == 0 or self.step == c.steps
             # The local models are evaluated before the outer step replaces them with the global one.
             worker_losses = self.workers.eval_each(self.eval_batches) if evaluate else None
             self.workers.params = self.strategy.after_step(self.workers.params, self.step)
             self._account_exchanges()
-            if self.place.progress_path:
+            if self.place.progress_path and stepped:
                 self._write_progress(losses, tokens_per_step / dt)
             bar.update(1)
-            bar.set_postfix(loss=f"{losses.mean().item():.3f}",  # tokens/s of the whole job
-                            tok_s=f"{tokens_per_step * c.workers / self.comm.n_local / dt:,.0f}",
-                            sent=human_bytes(self.bytes_sent))
+            if stepped:
+                bar.set_postfix(loss=f"{losses.mean().item():.3f}",  # tokens/s of the whole job
+                                tok_s=f"{tokens_per_step * c.workers / self.comm.n_local / dt:,.0f}",
+                                sent=human_bytes(self.bytes_sent))
             if evaluate:
-                self.evaluate(loss_sum / loss_count, worker_losses)
+                self.evaluate(loss_sum / loss_count if loss_count else mx.full((self.comm.n_local,), float("nan")),
+                              worker_losses)
                 loss_sum, loss_count = 0, 0
             if self.step % self.checkpoint_every == 0 or self.step == c.steps:
                 self.save_checkpoint()
@@ -214,6 +254,13 @@ class Run:
                 break
         bar.close()
         return self.summary()
+
+    def _active(self, tick: int):
+        """Which local workers step at this tick; None when all do (training/speeds.py)."""
+        if not self.speeds or self.speeds.policy == "fixed":
+            return None
+        active = self.speeds.active(tick)
+        return [active[w] for w in self.comm.local_workers]
 
     def _write_progress(self, losses, tokens_per_s):
         atomic_write_text(self.place.progress_path, json.dumps({
@@ -258,16 +305,20 @@ class Run:
             return
         global_loss = self.workers.eval_params(self.global_params(), self.eval_batches)
         modelled = self.compute_s + self.comm_s
+        idle = sum(f := self.speeds.idle_fraction()) / len(f) if self.speeds else 0.0
         row = {
             "step": self.step, "outer_step": -(-self.step // period) if (period := self.strategy.sync_every) else None,
-            "tokens": self.step * c.batch_size * max(c.seq_len, 1) * c.workers,  # examples for non-text data
+            "tokens": self.tokens(),
             "eval_loss": global_loss, "eval_loss_workers": worker_losses,
             "train_loss": None if train_losses is None else sum(train_losses) / len(train_losses),
             "train_loss_workers": train_losses,
             "bytes_sent_per_worker": self.bytes_sent, "peak_exchange_bytes": self.peak_exchange_bytes,
             "compute_s": self.compute_s,
             "comm_s": self.comm_s, "modelled_time_s": modelled, "sync_wait_s": self.comm.wait_s,
-            "utilisation": self.compute_s / modelled if modelled else 1.0,
+            # modelled: the share of the time the workers compute (not waiting for the link, or
+            # for slower workers: idle_fraction)
+            "utilisation": self.compute_s * (1 - idle) / modelled if modelled else 1.0,
+            "idle_fraction": idle,
             # on a real cluster: compute against the time actually spent waiting for exchanges
             "measured_utilisation": self.compute_s / (self.compute_s + self.comm.wait_s) if self.compute_s else 1.0,
             "wall_s": time.time() - self.wall_start,

@@ -51,6 +51,8 @@ class Workers:
         # optimizer work is most of what simulating N workers costs over one big batch.
         # The random state goes in and out: bf16 updates round stochastically (strategies/base.py).
         self._update = mx.compile(self._clip_and_update, inputs=[mx.random.state], outputs=[mx.random.state])
+        self._masked_update = mx.compile(self._clip_and_update_some, inputs=[mx.random.state],
+                                         outputs=[mx.random.state])
 
     def loss(self, params, x, y):
         self.model.update(params)
@@ -102,12 +104,29 @@ class Workers:
         params = self.optimizer.apply_gradients(grads, params)
         return params, self.optimizer.state
 
-    def step(self, x, y, strategy, step: int) -> mx.array:
-        """One inner step of every local replica; `step` is the job-wide step number (1-based).
-        The strategy's after_step (the outer step) is left to the caller."""
+    def _clip_and_update_some(self, params, grads, state, active):
+        """The update for the replicas where `active` (n_local,) is true; the others keep their
+        parameters and moments (workers slower than the tick: training/speeds.py)."""
+        old_state = tree_map(lambda x: x, state)  # a copy of the tree: the optimizer updates its state in place
+        new_params, new_state = self._clip_and_update(params, grads, state)
+
+        def pick(new, old):
+            if new.ndim == 0:  # the step count and learning rate: shared by the replicas
+                return new
+            return mx.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+        return tree_map(pick, new_params, params), tree_map(pick, new_state, old_state)
+
+    def step(self, x, y, strategy, step: int, active=None) -> mx.array:
+        """One inner step of every local replica (of those `active` marks, if given); `step` is
+        the job-wide step number (1-based). The strategy's after_step (the outer step) is left
+        to the caller."""
         losses, grads = self._gradients(x, y)  # evaluated: the activations are gone before the update
         grads = strategy.reduce_gradients(grads, step)
-        self.params, self.optimizer.state = self._update(self.params, grads, self.optimizer.state)
+        if active is None:
+            self.params, self.optimizer.state = self._update(self.params, grads, self.optimizer.state)
+        else:
+            self.params, self.optimizer.state = self._masked_update(self.params, grads, self.optimizer.state,
+                                                                    mx.array(active))
         del grads  # only the update holds the old values now, so MLX can write the new ones in place
         mx.eval(self.params, self.optimizer.state)
         return losses

@@ -1,0 +1,61 @@
+"""The gym's benchmark problems: fixed settings that make results comparable.
+
+A problem names the model, data, token budget, workers, link and an eval-loss target; a strategy
+(and its options) is what a researcher varies. Every problem's default variant runs in minutes on
+a 2-core CPU; `large` is the same question at a size for a Mac or a GPU.
+
+Time is modelled, not measured: `step_time` fixes the seconds of one inner step (roughly what an
+M-series Mac takes for this model and batch), so a scorecard's wall-clock does not depend on the
+machine that ran it. Exchanges are timed on the problem's link (exchange/network.py).
+"""
+
+from dataclasses import dataclass, field
+
+from ..config import ConfigError
+
+SIZES = ("cpu", "large")
+
+
+@dataclass(frozen=True)
+class Problem:
+    name: str
+    about: str
+    config: dict            # config keys of the CPU variant
+    target_loss: float      # the eval loss that counts as solved (time and tokens to reach it)
+    large: dict = field(default_factory=dict)  # what the large variant changes
+
+    def settings(self, size: str = "cpu") -> dict:
+        if size not in SIZES:
+            raise ConfigError(f"size must be one of {', '.join(SIZES)} (got '{size}')")
+        return {**self.config, **(self.large if size == "large" else {})}
+
+
+# What every language-model problem shares: the embedded Shakespeare and a small GPT.
+_SHAKESPEARE = dict(model="small", data="shakespeare", batch_size=16, eval_batches=16, step_time=0.05)
+_LARGE_GPT = dict(model="gpt-10m", seq_len=256, steps=3000, step_time=0.25, eval_batches=32)
+
+PROBLEMS = {p.name: p for p in [
+    Problem("shakespeare-home",
+            "the small GPT on Shakespeare, 4 Macs on home internet (100 Mbit/s)",
+            dict(_SHAKESPEARE, workers=4, steps=500, link="internet", eval_every=50),
+            target_loss=4.6, large=_LARGE_GPT),
+    Problem("fashion-thunderbolt",
+            "a CNN on Fashion-MNIST, 2 Macs on Thunderbolt 4",
+            dict(model="cnn", data="fashion-mnist", workers=2, steps=300, batch_size=64, lr=2e-3, warmup=20,
+                 eval_every=50, eval_batches=16, link="tb4", step_time=0.01),
+            target_loss=0.55, large=dict(steps=2000, eval_batches=64)),
+    Problem("gpt-wifi-8",
+            "the small GPT on Shakespeare, 8 laptops on Wi-Fi",
+            dict(_SHAKESPEARE, workers=8, steps=250, link="wifi", eval_every=50),
+            target_loss=4.9, large=dict(_LARGE_GPT, steps=1500)),
+    Problem("mixed-home",
+            "the small GPT on Shakespeare, 2 Macs of speeds 1 and 0.5 (an M4 mini and an M1 laptop) on home internet",
+            dict(_SHAKESPEARE, workers=2, steps=500, link="internet", eval_every=50, worker_speeds="1,0.5"),
+            target_loss=4.6, large=_LARGE_GPT),
+]}
+
+
+def get_problem(name: str) -> Problem:
+    if name not in PROBLEMS:
+        raise ConfigError(f"unknown problem '{name}'; 'mlx-diloco gym list' shows them: {', '.join(PROBLEMS)}")
+    return PROBLEMS[name]

@@ -1,0 +1,157 @@
+"""A run's scorecard: what a gym problem asks of a strategy, read from the run folder.
+
+    final eval loss       the global model at the end
+    to target             inner steps, tokens and modelled seconds until the eval loss first
+                          reaches the problem's target (None: not reached)
+    bytes sent            per worker, in all; and the largest single exchange
+    utilisation           modelled share of the time spent computing (not waiting for the link
+                          or for slower workers) on the problem's link
+    drift                 how far the workers' models are apart when they sync: the spread
+                          (max - min) of their eval losses, mean over the evaluations
+"""
+
+import json
+from pathlib import Path
+
+from ..config import ConfigError
+from ..training.metrics import MetricsLog, human_bytes
+
+CARD = "scorecard.json"
+
+
+def scorecard(run_dir, problem=None, target_loss: float = None) -> dict:
+    """The scorecard of a finished run (`problem`: the gym problem it ran, or None)."""
+    run_dir = Path(run_dir)
+    rows = MetricsLog.read(run_dir)
+    config = json.loads((run_dir / "config.json").read_text())
+    target = target_loss if target_loss is not None else (problem.target_loss if problem else None)
+    last = rows[-1]
+    reached = next((r for r in rows if target is not None and r["eval_loss"] <= target), None)
+    spreads = [max(w) - min(w) for r in rows[1:] if (w := r.get("eval_loss_workers")) and len(w) > 1]
+    options = last.get("strategy_options") or {}
+    return {
+        "problem": problem.name if problem else None, "run_dir": str(run_dir),
+        "strategy": last["strategy"], "label": label(last["strategy"], options, config),
+        "workers": last["workers"], "steps": last["step"], "tokens": last["tokens"],
+        "final_eval_loss": last["eval_loss"], "target_loss": target,
+        "steps_to_target": reached and reached["step"], "tokens_to_target": reached and reached["tokens"],
+        "modelled_s_to_target": reached and reached["modelled_time_s"],
+        "modelled_s": last["modelled_time_s"], "link": last["link"],
+        "bytes_sent_per_worker": last["bytes_sent_per_worker"], "peak_exchange_bytes": last["peak_exchange_bytes"],
+        "utilisation": last["utilisation"], "idle_fraction": last.get("idle_fraction", 0.0),
+        "worker_spread": sum(spreads) / len(spreads) if spreads else 0.0,
+        "wall_s": last["wall_s"], "strategy_options": options,
+        "worker_speeds": config.get("worker_speeds", ""), "speed_policy": config.get("speed_policy", "fixed"),
+    }
+
+
+def label(strategy: str, options: dict, config: dict) -> str:
+    """A short name for a run: the strategy and what sets it apart."""
+    parts = [strategy]
+    if options.get("sync_every"):
+        parts.append(f"H={options['sync_every']}")
+    if options.get("fragments", 1) > 1:
+        parts.append(f"P={options['fragments']}")
+    if options.get("compress") not in (None, "fp16"):
+        parts.append(options["compress"])
+    if config.get("worker_speeds"):
+        parts.append(f"{config.get('speed_policy', 'fixed')}-paced")
+    return " ".join(parts)
+
+
+def save(card: dict, run_dir) -> Path:
+    path = Path(run_dir) / CARD
+    path.write_text(json.dumps(card, indent=1))
+    return path
+
+
+def load(path) -> dict:
+    """A scorecard from its file or its run folder (made from the run if it has none yet)."""
+    path = Path(path)
+    if path.is_dir():
+        return json.loads((path / CARD).read_text()) if (path / CARD).exists() else scorecard(path)
+    if not path.exists():
+        raise ConfigError(f"{path} does not exist; pass scorecard.json files or run folders")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        raise ConfigError(f"{path} is not a scorecard (JSON); pass scorecard.json files or run folders") from None
+
+
+def fmt(value, kind: str = "") -> str:
+    if value is None:
+        return "-"
+    if kind == "bytes":
+        return human_bytes(value)
+    if kind == "s":
+        return f"{value:,.0f} s" if value >= 10 else f"{value:.1f} s"
+    if kind == "%":
+        return f"{100 * value:.0f}%"
+    if isinstance(value, float):
+        return f"{value:.4f}" if kind == "loss" else f"{value:.3g}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+COLUMNS = [("run", "label", ""), ("workers", "workers", ""), ("eval loss", "final_eval_loss", "loss"),
+           ("steps to target", "steps_to_target", ""), ("time to target", "modelled_s_to_target", "s"),
+           ("time", "modelled_s", "s"), ("sent/worker", "bytes_sent_per_worker", "bytes"),
+           ("peak exchange", "peak_exchange_bytes", "bytes"), ("utilisation", "utilisation", "%"),
+           ("worker spread", "worker_spread", "")]
+
+
+def table(cards: list) -> str:
+    """A Markdown table of scorecards, one row each."""
+    head = "| " + " | ".join(name for name, _, _ in COLUMNS) + " |"
+    rule = "|" + "|".join("---" for _ in COLUMNS) + "|"
+    rows = ["| " + " | ".join(fmt(c.get(key), kind) for _, key, kind in COLUMNS) + " |" for c in cards]
+    return "\n".join([head, rule] + rows)
+
+
+def describe(card: dict) -> str:
+    """The scorecard in a few lines, for the terminal."""
+    target = card["target_loss"]
+    reach = (f"reached {target} at step {card['steps_to_target']} ({fmt(card['tokens_to_target'])} tokens, "
+             f"{fmt(card['modelled_s_to_target'], 's')} modelled)" if card["steps_to_target"]
+             else f"did not reach {target}" if target is not None else "no target")
+    return "\n".join([
+        f"{card['problem'] or 'run'}: {card['label']}, {card['workers']} workers -> {card['run_dir']}",
+        f"  final eval loss {card['final_eval_loss']:.4f}; {reach}",
+        f"  modelled time {fmt(card['modelled_s'], 's')} on {card['link']}, utilisation {fmt(card['utilisation'], '%')}"
+        + (f", idle waiting for slower workers {fmt(card['idle_fraction'], '%')}" if card["idle_fraction"] else ""),
+        f"  sent per worker {fmt(card['bytes_sent_per_worker'], 'bytes')}, largest exchange "
+        f"{fmt(card['peak_exchange_bytes'], 'bytes')}; worker spread (eval loss max - min) {card['worker_spread']:.4f}",
+    ])
+
+
+def plot(cards: list, out: Path, title: str = None) -> Path:
+    """Eval loss against modelled time and against bytes sent, one curve per scorecard's run."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for c in cards:
+        rows = MetricsLog.read(c["run_dir"])
+        losses = [r["eval_loss"] for r in rows]
+        axes[0].plot([r["modelled_time_s"] for r in rows], losses, marker=".", label=c["label"])
+        axes[1].plot([max(r["bytes_sent_per_worker"], 1) for r in rows], losses, marker=".", label=c["label"])
+        axes[2].plot([r["tokens"] for r in rows], losses, marker=".", label=c["label"])
+    for ax, name in zip(axes, ["modelled wall-clock (s)", "bytes sent per worker", "tokens (all workers)"]):
+        ax.set_xlabel(name)
+        ax.grid(alpha=0.3)
+        ax.set_ylabel("eval loss (global model)")
+    axes[0].set_xscale("log")
+    axes[1].set_xscale("log")
+    targets = {c["target_loss"] for c in cards if c.get("target_loss") is not None}
+    for ax in axes:
+        for t in targets:
+            ax.axhline(t, color="grey", linestyle=":", linewidth=1)
+    axes[0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,125 @@
+"""`mlx-diloco sweep`: one run per point of a grid, a summary table and plots.
+
+    mlx-diloco sweep --grid workers=1,2,4,8 --grid sync_every=10,50 --out runs/sweep
+
+Grid keys are config keys or strategy options. Each point trains in its own folder (named by
+its values) and gets a scorecard; the table (sweep.md) and plots are rewritten after every point.
+Run the same command again to resume an interrupted sweep: finished points are kept, a point cut
+off mid-run continues from its last checkpoint.
+"""
+
+import itertools
+import json
+import shutil
+from pathlib import Path
+
+from ..config import ConfigError, TrainConfig
+from ..training import checkpoint
+from . import scorecard
+
+
+def parse_grid(specs: list) -> dict:
+    """['sync_every=10,50', 'strategy=diloco,ddp'] -> {'sync_every': [10, 50], 'strategy': ['diloco', 'ddp']}"""
+    grid = {}
+    for spec in specs:
+        key, sep, values = spec.partition("=")
+        if not sep or not values:
+            raise ConfigError(f"grid '{spec}' must be KEY=V1,V2,... (e.g. sync_every=10,50)")
+        grid[key.strip().replace("-", "_")] = [value(v.strip()) for v in values.split(",")]
+    return grid
+
+
+def value(text: str):
+    try:
+        return json.loads(text)  # 10, 0.7, true
+    except json.JSONDecodeError:
+        return text              # diloco, int4
+
+
+def points(grid: dict) -> list:
+    return [dict(zip(grid, combo)) for combo in itertools.product(*grid.values())]
+
+
+def point_name(point: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in point.items()) or "base"
+
+
+def run_sweep(base: dict, grid: dict, out: Path, train, problem=None, log=print) -> list:
+    """Train every point (`train(config, run_dir, resume)` returns when the run is done) and
+    return the scorecards. Every point's config is checked before the first one trains."""
+    out = Path(out)
+    configs = [(p, TrainConfig.from_dict({**base, **p})) for p in points(grid)]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps({"base": base, "grid": grid}, indent=1))
+    cards = []
+    for i, (point, config) in enumerate(configs, 1):
+        run_dir = out / point_name(point)
+        if (run_dir / "summary.json").exists():
+            log(f"[{i}/{len(configs)}] {point_name(point)}: done before, kept")
+        else:
+            resume = checkpoint.latest_step(run_dir) is not None
+            if run_dir.exists() and not resume:
+                shutil.rmtree(run_dir)  # cut off before its first checkpoint: start it again
+            log(f"[{i}/{len(configs)}] {point_name(point)}" + (": resuming" if resume else ""))
+            train(config, run_dir, resume)
+        card = scorecard.scorecard(run_dir, problem)
+        card["point"] = point
+        scorecard.save(card, run_dir)
+        cards.append(card)
+        write_summary(cards, grid, out)
+    return cards
+
+
+def write_summary(cards: list, grid: dict, out: Path):
+    """sweep.md (a table), and the plots: final eval loss against each numeric grid key, and eval
+    loss against modelled wall-clock for every point."""
+    keys = list(grid)
+    head = "| " + " | ".join(keys + ["eval loss", "steps to target", "time to target", "time", "sent/worker"]) + " |"
+    lines = [head, "|" + "---|" * (len(keys) + 5)]
+    for c in cards:
+        lines.append("| " + " | ".join([str(c["point"][k]) for k in keys] + [
+            scorecard.fmt(c["final_eval_loss"], "loss"), scorecard.fmt(c["steps_to_target"]),
+            scorecard.fmt(c["modelled_s_to_target"], "s"), scorecard.fmt(c["modelled_s"], "s"),
+            scorecard.fmt(c["bytes_sent_per_worker"], "bytes")]) + " |")
+    (out / "sweep.md").write_text("\n".join(lines) + "\n")
+    plot(cards, grid, out / "sweep.png")
+
+
+def plot(cards: list, grid: dict, out: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from ..training.metrics import MetricsLog
+
+    numeric = [k for k, vs in grid.items() if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vs)]
+    fig, axes = plt.subplots(1, len(numeric) + 1, figsize=(5.5 * (len(numeric) + 1), 4.5), squeeze=False)
+    axes = axes[0]
+    for ax, key in zip(axes, numeric):  # final loss against this key, one line per value of the others
+        others = [k for k in grid if k != key]
+        lines = {}
+        for c in cards:
+            lines.setdefault(tuple(c["point"][k] for k in others), []).append((c["point"][key], c["final_eval_loss"]))
+        for rest, xy in lines.items():
+            xy.sort()
+            ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o",
+                    label=", ".join(f"{k}={v}" for k, v in zip(others, rest)) or None)
+        ax.set_xlabel(key)
+        ax.set_ylabel("final eval loss")
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        if others:
+            ax.legend(fontsize=7)
+    ax = axes[-1]
+    for c in cards:
+        rows = MetricsLog.read(c["run_dir"])
+        ax.plot([r["modelled_time_s"] for r in rows], [r["eval_loss"] for r in rows], marker=".",
+                label=point_name(c["point"]))
+    ax.set_xlabel(f"modelled wall-clock (s) on {cards[0]['link'] if cards else ''}")
+    ax.set_ylabel("eval loss")
+    ax.set_xscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

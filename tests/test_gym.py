@@ -1,0 +1,133 @@
+"""The gym: problems and scorecards, sweeps that resume, and workers of different speeds."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from conftest import run_cli
+from mlx_diloco.config import ConfigError, TrainConfig
+from mlx_diloco.exchange.comm import SimCommunicator
+from mlx_diloco.gym import scorecard
+from mlx_diloco.gym.problems import PROBLEMS
+from mlx_diloco.training.metrics import MetricsLog
+from mlx_diloco.training.run import Run
+from mlx_diloco.training.speeds import Speeds
+
+TINY = dict(model="tiny", seq_len=16, batch_size=4, eval_batches=2, warmup=2)
+TINY_FLAGS = ["--model", "tiny", "--seq-len", "16", "--batch-size", "4", "--eval-batches", "2", "--warmup", "2"]
+
+
+def test_every_problem_is_a_valid_config():
+    for p in PROBLEMS.values():
+        for size in ("cpu", "large"):
+            TrainConfig.from_dict(p.settings(size))
+    out = run_cli("gym", "list")
+    assert out.returncode == 0 and all(name in out.stdout for name in PROBLEMS)
+
+
+def test_gym_run_scores_the_run_and_compare_tables_it(tmp_path):
+    out = run_cli("gym", "run", "shakespeare-home", *TINY_FLAGS, "--steps", "12", "--sync-every", "4",
+                  "--eval-every", "4", "--run-dir", tmp_path / "a", "--processes", "1")
+    assert out.returncode == 0, out.stderr
+    card = json.loads((tmp_path / "a" / "scorecard.json").read_text())
+    rows = MetricsLog.read(tmp_path / "a")
+    assert card["problem"] == "shakespeare-home" and card["link"].startswith("home internet")
+    assert card["final_eval_loss"] == rows[-1]["eval_loss"] and card["steps"] == 12
+    # 4 workers, 12 steps of 4 x 16 tokens; the problem's fixed step time makes the modelled time
+    assert card["tokens"] == 4 * 12 * 4 * 16
+    assert card["modelled_s"] == pytest.approx(12 * PROBLEMS["shakespeare-home"].config["step_time"] + rows[-1]["comm_s"])
+    assert card["bytes_sent_per_worker"] > 0 and card["peak_exchange_bytes"] <= card["bytes_sent_per_worker"]
+    assert card["worker_spread"] > 0  # four workers on four shards drift apart between syncs
+    # time to target: the first evaluation at or below it
+    target = rows[2]["eval_loss"] + 1e-6
+    again = scorecard.scorecard(tmp_path / "a", target_loss=target)
+    first = next(r for r in rows if r["eval_loss"] <= target)
+    assert again["steps_to_target"] == first["step"] and again["modelled_s_to_target"] == first["modelled_time_s"]
+    assert scorecard.scorecard(tmp_path / "a", target_loss=0.1)["steps_to_target"] is None
+
+    assert run_cli("gym", "run", "shakespeare-home", *TINY_FLAGS, "--steps", "12", "--strategy", "ddp",
+                   "--run-dir", tmp_path / "b", "--processes", "1").returncode == 0
+    png = tmp_path / "cards.png"
+    out = run_cli("gym", "compare", tmp_path / "a" / "scorecard.json", tmp_path / "b", "--out", png)
+    assert out.returncode == 0, out.stderr
+    table = [line for line in out.stdout.splitlines() if line.startswith("| ")]
+    assert len(table) == 3 and "diloco H=4" in table[1] and "ddp" in table[2]
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sweep_runs_every_point_and_resumes(tmp_path):
+    args = ["sweep", "--grid", "workers=1,2", "--grid", "sync_every=3,6", "--out", tmp_path / "s",
+            *TINY_FLAGS, "--steps", "6", "--processes", "1"]
+    out = run_cli(*args)
+    assert out.returncode == 0, out.stderr
+    names = ["workers=1,sync_every=3", "workers=1,sync_every=6", "workers=2,sync_every=3", "workers=2,sync_every=6"]
+    table = (tmp_path / "s" / "sweep.md").read_text().splitlines()
+    assert len(table) == 2 + len(names) and (tmp_path / "s" / "sweep.png").stat().st_size > 0
+    for name in names:
+        card = json.loads((tmp_path / "s" / name / "scorecard.json").read_text())
+        assert card["point"]["workers"] == int(name[8]) and card["steps"] == 6
+    # A point cut off after a checkpoint (here: its summary lost) resumes; the others are kept as they are.
+    kept = (tmp_path / "s" / names[0] / "metrics.jsonl").stat().st_mtime_ns
+    (tmp_path / "s" / names[3] / "summary.json").unlink()
+    out = run_cli(*args)
+    assert out.returncode == 0, out.stderr
+    assert "done before, kept" in out.stderr and f"{names[3]}: resuming" in out.stderr
+    assert (tmp_path / "s" / names[0] / "metrics.jsonl").stat().st_mtime_ns == kept
+    assert (tmp_path / "s" / names[3] / "summary.json").exists()
+    bad = run_cli("sweep", "--grid", "sync_evry=3", "--out", tmp_path / "t", *TINY_FLAGS)
+    assert bad.returncode == 2 and "did you mean 'sync_every'" in bad.stderr and not (tmp_path / "t").exists()
+
+
+def test_speeds_pace_workers():
+    config = TrainConfig.from_dict(dict(workers=3, worker_speeds="1,0.5,0.25", speed_policy="time"))
+    s = Speeds.of(config)
+    assert s.steps_taken(8) == [8, 4, 2]
+    assert [s.active(t) for t in (1, 2, 4)] == [[True, False, False], [True, True, False], [True, True, True]]
+    assert s.sync_weights(8) == pytest.approx([3 * 8 / 14, 3 * 4 / 14, 3 * 2 / 14])
+    assert s.tick_seconds(0.1) == pytest.approx(0.1) and s.idle_fraction() == [0, 0, 0]
+    fixed = Speeds.of(TrainConfig.from_dict(dict(workers=3, worker_speeds="1,0.5,0.25")))
+    assert fixed.steps_taken(8) == [8, 8, 8] and fixed.sync_weights(8) == [1, 1, 1]
+    assert fixed.tick_seconds(0.1) == pytest.approx(0.4) and fixed.idle_fraction() == pytest.approx([0.75, 0.5, 0])
+    for speeds, message in [("1,1", "2 speeds for 3 workers"), ("1,0,1", "must all be > 0"), ("1,a,1", "numbers")]:
+        with pytest.raises(ConfigError, match=message):
+            TrainConfig.from_dict(dict(workers=3, worker_speeds=speeds))
+
+
+def test_time_paced_workers_take_the_steps_that_fit(tmp_path):
+    """Speeds 1 and 0.5, time policy: the slow worker steps at every other tick (its parameters
+    and moments stay as they were at the others), its pseudo-gradient counts half as much, and
+    the tokens and modelled time say so."""
+    config = TrainConfig.from_dict(dict(TINY, workers=2, steps=8, sync_every=4, worker_speeds="1,0.5",
+                                        speed_policy="time", step_time=0.1, warmup=0))
+    run = Run(config, tmp_path / "t", SimCommunicator(2), log=lambda m: None)
+    assert run.strategy.sync_weights == pytest.approx([4 / 3, 2 / 3])
+    before = {k: np.array(v) for k, v in tree_flatten(run.workers.params)}
+    run.train(stop_after=1)  # tick 1: only the fast worker steps
+    after = dict(tree_flatten(run.workers.params))
+    assert all(np.array_equal(np.array(after[k][1]), before[k][1]) for k in before)
+    assert any(not np.array_equal(np.array(after[k][0]), before[k][0]) for k in before)
+    moments = [v for k, v in tree_flatten(run.workers.optimizer.state) if k.endswith(".m")]
+    assert all(float(mx.abs(m[1]).max()) == 0 for m in moments) and any(float(mx.abs(m[0]).max()) > 0 for m in moments)
+    summary = run.train()
+    assert summary["tokens"] == (8 + 4) * 4 * 16
+    rows = MetricsLog.read(tmp_path / "t")
+    assert rows[-1]["compute_s"] == pytest.approx(8 * 0.1) and rows[-1]["idle_fraction"] == 0
+
+    fixed = Run(TrainConfig.from_dict(dict(TINY, workers=2, steps=8, sync_every=4, worker_speeds="1,0.5",
+                                           step_time=0.1)), tmp_path / "f", SimCommunicator(2), log=lambda m: None)
+    fixed.train()
+    rows = MetricsLog.read(tmp_path / "f")
+    assert rows[-1]["tokens"] == 2 * 8 * 4 * 16 and rows[-1]["compute_s"] == pytest.approx(8 * 0.2)
+    assert rows[-1]["idle_fraction"] == pytest.approx(0.25) and rows[-1]["utilisation"] < 0.76
+
+
+def test_time_policy_needs_a_strategy_that_syncs_periodically(tmp_path):
+    for options, message in [(dict(strategy="ddp"), "needs a strategy that exchanges only at its syncs"),
+                             (dict(sync_every=2, worker_speeds="1,0.25"), "takes no step in a round")]:
+        config = TrainConfig.from_dict({**TINY, "workers": 2, "steps": 4, "worker_speeds": "1,0.5",
+                                        "speed_policy": "time", **options})
+        with pytest.raises(ConfigError, match=message):
+            Run(config, tmp_path / "r", SimCommunicator(2), log=lambda m: None)
