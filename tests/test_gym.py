@@ -124,6 +124,18 @@ def test_time_paced_workers_take_the_steps_that_fit(tmp_path):
     assert rows[-1]["idle_fraction"] == pytest.approx(0.25) and rows[-1]["utilisation"] < 0.76
 
 
+def test_a_cluster_measures_its_workers_speeds(tmp_path):
+    """Time-paced without given speeds, as `launch` runs it: each process measures its steps over
+    the first round and the workers agree on the speeds over MLX's ring (here two processes)."""
+    out = run_cli("sim", *TINY_FLAGS, "--workers", "2", "--processes", "2", "--steps", "8", "--sync-every", "4",
+                  "--speed-policy", "time", "--run-dir", tmp_path / "m", "--sample-tokens", "0")
+    assert out.returncode == 0, out.stderr
+    assert "measured worker speeds" in out.stderr
+    rows = MetricsLog.read(tmp_path / "m")
+    speeds = rows[-1]["worker_speeds"]
+    assert rows[0]["worker_speeds"] is None and len(speeds) == 2 and max(speeds) == 1 and min(speeds) >= 0.25
+
+
 def test_time_policy_needs_a_strategy_that_syncs_periodically(tmp_path):
     for options, message in [(dict(strategy="ddp"), "needs a strategy that exchanges only at its syncs"),
                              (dict(sync_every=2, worker_speeds="1,0.25"), "takes no step in a round")]:

@@ -147,6 +147,10 @@ class Run:
         self.link = parse_link(config.link)
         self.strategy = parts.strategy.bind(comm, config.steps)
         self.speeds = Speeds.of(config)
+        # Time-paced without given speeds (a real cluster): measured over the first round.
+        self.measure_speeds = config.speed_policy == "time" and self.speeds is None and config.workers > 1
+        if config.speed_policy == "time":
+            self._check_time_policy()
         if self.speeds and self.speeds.policy == "time":
             self._pace_by_time()
         self.strategy.setup(model.trainable_parameters())
@@ -181,13 +185,16 @@ class Run:
             if self.data.tokenizer_dir:
                 shutil.copytree(self.data.tokenizer_dir, self.run_dir / "tokenizer", dirs_exist_ok=True)
 
-    def _pace_by_time(self):
-        """Workers take the steps that fit a round (training/speeds.py): check that the strategy
-        allows it, and weigh each worker's pseudo-gradient by the tokens it processed."""
-        s, H = self.strategy, self.strategy.sync_every
+    def _check_time_policy(self):
+        s = self.strategy
         if not s.steps_can_differ or getattr(s, "ddp_warmup_steps", 0):
             raise ConfigError(f"speed-policy time needs a strategy that exchanges only at its syncs "
                               f"(diloco, fedavg, muloco; no ddp-warmup-steps), not {s.name}; use --speed-policy fixed")
+
+    def _pace_by_time(self):
+        """Workers take the steps that fit a round (training/speeds.py): weigh each worker's
+        pseudo-gradient by the tokens it processed."""
+        s, H = self.strategy, self.strategy.sync_every
         steps = self.speeds.steps_taken(H)
         if min(steps) == 0:
             slow = steps.index(0)
@@ -195,6 +202,17 @@ class Run:
                               f"H = {H} ticks; raise --sync-every or its speed")
         weights = self.speeds.sync_weights(H)
         s.sync_weights = [weights[w] for w in self.comm.local_workers]
+
+    def _measure_speeds(self):
+        """Every worker's speed from its mean step time over the first round (all workers
+        stepped at every tick so far), the fastest 1; from now on each takes the steps that fit."""
+        times = self.comm.gather_metric(mx.full((self.comm.n_local,), self.compute_s / self.step))
+        H = self.strategy.sync_every
+        # In steps of 0.05 (machines within a few percent count as equal), and at least one step a round.
+        speeds = tuple(max(round(20 * min(times) / t) / 20, 1 / H) for t in times)
+        self.speeds, self.measure_speeds = Speeds(speeds, "time"), False
+        self._pace_by_time()
+        self.log(f"measured worker speeds: {', '.join(f'{s:g}' for s in speeds)}; each takes the steps that fit a round")
 
     def tokens(self) -> int:
         """Tokens (examples, for non-text data) the workers have trained on so far."""
@@ -232,6 +250,8 @@ class Run:
             self.step += 1
             step_s = c.step_time or step_s
             self.compute_s += self.speeds.tick_seconds(step_s) if self.speeds else step_s
+            if self.measure_speeds and self.step == self.strategy.sync_every:
+                self._measure_speeds()
             evaluate = self.step % self.eval_every == 0 or self.step == c.steps
             # The local models are evaluated before the outer step replaces them with the global one.
             worker_losses = self.workers.eval_each(self.eval_batches) if evaluate else None
@@ -318,7 +338,7 @@ class Run:
             # modelled: the share of the time the workers compute (not waiting for the link, or
             # for slower workers: idle_fraction)
             "utilisation": self.compute_s * (1 - idle) / modelled if modelled else 1.0,
-            "idle_fraction": idle,
+            "idle_fraction": idle, "worker_speeds": self.speeds and list(self.speeds.speeds),
             # on a real cluster: compute against the time actually spent waiting for exchanges
             "measured_utilisation": self.compute_s / (self.compute_s + self.comm.wait_s) if self.compute_s else 1.0,
             "wall_s": time.time() - self.wall_start,
@@ -349,6 +369,7 @@ class Run:
                   "strategy": self.strategy.state()}
         meta = {"config": self.config.to_dict(), "cursors": [s.state() for s in self.samplers],
                 "compute_s": self.compute_s, "comm_s": self.comm_s, "bytes_sent": self.bytes_sent,
+                "worker_speeds": self.speeds and list(self.speeds.speeds),
                 "peak_exchange_bytes": self.peak_exchange_bytes, "exchange_log": self.exchange_log,
                 "model_preset": self.spec.params if self.spec else None, "vocab_size": self.data.vocab_size}
         checkpoint.save(self.checkpoint_dir, self.step, arrays, meta)
@@ -362,6 +383,9 @@ class Run:
         for sampler, cursor in zip(self.samplers, meta["cursors"]):
             sampler.load_state(cursor)
         self.compute_s, self.comm_s, self.bytes_sent = meta["compute_s"], meta["comm_s"], meta["bytes_sent"]
+        if self.measure_speeds and meta.get("worker_speeds"):  # measured before the checkpoint
+            self.speeds, self.measure_speeds = Speeds(tuple(meta["worker_speeds"]), "time"), False
+            self._pace_by_time()
         self.peak_exchange_bytes = meta.get("peak_exchange_bytes", 0)
         self.exchange_log = [tuple(e) for e in meta.get("exchange_log", [])]
         self.metrics.truncate_after(self.step)
