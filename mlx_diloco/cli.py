@@ -135,7 +135,7 @@ def cmd_gym_compare(args):
 
 def cmd_sweep(args):
     from .gym.problems import get_problem
-    from .gym.sweep import parse_grid, run_sweep
+    from .gym.sweep import grid_points, parse_grid, run_sweep
     from .gym import scorecard
     from .training.processes import simulate
     problem = get_problem(args.problem) if args.problem else None
@@ -143,7 +143,7 @@ def cmd_sweep(args):
             **(TrainConfig.from_file(args.config).to_dict() if args.config else {}), **given_flags(args)}
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
     args.on_interrupt = "run the same command again to resume the sweep"
-    cards = run_sweep(base, parse_grid(args.grid), Path(args.out),
+    cards = run_sweep(base, grid_points(parse_grid(args.grid)), Path(args.out),
                       train=lambda config, run_dir, resume: simulate(config, run_dir, args.processes, resume, log),
                       problem=problem, log=log)
     print(scorecard.table(cards) + f"\n\ntable: {Path(args.out) / 'sweep.md'}, plots: {Path(args.out) / 'sweep.png'}")

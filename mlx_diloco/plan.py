@@ -72,9 +72,13 @@ def print_memory(args):
           "Mac's memory by default)")
     for gb in MAC_MEMORY_GB:
         if gb not in macs and (smaller := make_it_fit(shape, o, gb * GB * GPU_SHARE)):
-            print(f"  to fit a {gb} GB Mac: {flags(o, smaller)} "
+            print(f"  to fit a {gb} GB Mac: {flags(o, smaller)} --memory-limit {gb * GPU_SHARE:.1f} "
                   f"({estimate(shape, smaller)['total'] / GB:.2f} GB)")
             break
+    # MLX allocates each operation's output when it queues it, ahead of running it: unchecked, a
+    # step's peak can exceed what it needs by half (README, Memory).
+    print(f"  keep the peak near the estimate with --memory-limit {est['total'] * 1.05 / GB:.1f} "
+          "(agents set it to what they offer)")
     print()
     return n
 

@@ -143,3 +143,12 @@ def test_time_policy_needs_a_strategy_that_syncs_periodically(tmp_path):
                                         "speed_policy": "time", **options})
         with pytest.raises(ConfigError, match=message):
             Run(config, tmp_path / "r", SimCommunicator(2), log=lambda m: None)
+
+
+def test_a_time_paced_run_resumes_exactly(tmp_path):
+    config = TrainConfig.from_dict(dict(TINY, workers=2, steps=8, sync_every=4, worker_speeds="1,0.5",
+                                        speed_policy="time"))
+    whole = Run(config, tmp_path / "whole", SimCommunicator(2), log=lambda m: None).train()
+    Run(config, tmp_path / "cut", SimCommunicator(2), log=lambda m: None).train(stop_after=4)
+    resumed = Run(None, tmp_path / "cut", SimCommunicator(2), resume=True, log=lambda m: None).train()
+    assert resumed["final_eval_loss"] == whole["final_eval_loss"] and resumed["tokens"] == whole["tokens"]

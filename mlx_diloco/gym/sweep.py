@@ -36,7 +36,8 @@ def value(text: str):
         return text              # diloco, int4
 
 
-def points(grid: dict) -> list:
+def grid_points(grid: dict) -> list:
+    """Every combination of the grid's values, as dicts."""
     return [dict(zip(grid, combo)) for combo in itertools.product(*grid.values())]
 
 
@@ -44,13 +45,15 @@ def point_name(point: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in point.items()) or "base"
 
 
-def run_sweep(base: dict, grid: dict, out: Path, train, problem=None, log=print) -> list:
-    """Train every point (`train(config, run_dir, resume)` returns when the run is done) and
-    return the scorecards. Every point's config is checked before the first one trains."""
+def run_sweep(base: dict, points: list, out: Path, train, problem=None, target_loss: float = None,
+              log=print) -> list:
+    """Train every point (a dict of keys laid over `base`; `train(config, run_dir, resume)` returns
+    when the run is done) and return the scorecards, scored against the problem's target loss
+    (or `target_loss`). Every point's config is checked before the first one trains."""
     out = Path(out)
-    configs = [(p, TrainConfig.from_dict({**base, **p})) for p in points(grid)]
+    configs = [(p, TrainConfig.from_dict({**base, **p})) for p in points]
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_text(json.dumps({"base": base, "grid": grid}, indent=1))
+    (out / "sweep.json").write_text(json.dumps({"base": base, "points": points}, indent=1))
     cards = []
     for i, (point, config) in enumerate(configs, 1):
         run_dir = out / point_name(point)
@@ -62,43 +65,46 @@ def run_sweep(base: dict, grid: dict, out: Path, train, problem=None, log=print)
                 shutil.rmtree(run_dir)  # cut off before its first checkpoint: start it again
             log(f"[{i}/{len(configs)}] {point_name(point)}" + (": resuming" if resume else ""))
             train(config, run_dir, resume)
-        card = scorecard.scorecard(run_dir, problem)
+        card = scorecard.scorecard(run_dir, problem, target_loss)
         card["point"] = point
         scorecard.save(card, run_dir)
         cards.append(card)
-        write_summary(cards, grid, out)
+        write_summary(cards, out)
     return cards
 
 
-def write_summary(cards: list, grid: dict, out: Path):
-    """sweep.md (a table), and the plots: final eval loss against each numeric grid key, and eval
-    loss against modelled wall-clock for every point."""
-    keys = list(grid)
+def write_summary(cards: list, out: Path):
+    """sweep.md (a table), and the plots: final eval loss against each numeric key of the points,
+    and eval loss against modelled wall-clock for every point."""
+    keys = list(dict.fromkeys(k for c in cards for k in c["point"]))
     head = "| " + " | ".join(keys + ["eval loss", "steps to target", "time to target", "time", "sent/worker"]) + " |"
     lines = [head, "|" + "---|" * (len(keys) + 5)]
     for c in cards:
-        lines.append("| " + " | ".join([str(c["point"][k]) for k in keys] + [
+        lines.append("| " + " | ".join([str(c["point"].get(k, "-")) for k in keys] + [
             scorecard.fmt(c["final_eval_loss"], "loss"), scorecard.fmt(c["steps_to_target"]),
             scorecard.fmt(c["modelled_s_to_target"], "s"), scorecard.fmt(c["modelled_s"], "s"),
             scorecard.fmt(c["bytes_sent_per_worker"], "bytes")]) + " |")
     (out / "sweep.md").write_text("\n".join(lines) + "\n")
-    plot(cards, grid, out / "sweep.png")
+    plot(cards, keys, out / "sweep.png")
 
 
-def plot(cards: list, grid: dict, out: Path) -> Path:
+def plot(cards: list, keys: list, out: Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from ..training.metrics import MetricsLog
 
-    numeric = [k for k, vs in grid.items() if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vs)]
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    numeric = [k for k in keys if len({c["point"].get(k) for c in cards}) > 1
+               and all(number(c["point"].get(k)) for c in cards)]
     fig, axes = plt.subplots(1, len(numeric) + 1, figsize=(5.5 * (len(numeric) + 1), 4.5), squeeze=False)
     axes = axes[0]
     for ax, key in zip(axes, numeric):  # final loss against this key, one line per value of the others
-        others = [k for k in grid if k != key]
+        others = [k for k in keys if k != key]
         lines = {}
         for c in cards:
-            lines.setdefault(tuple(c["point"][k] for k in others), []).append((c["point"][key], c["final_eval_loss"]))
+            lines.setdefault(tuple(c["point"].get(k) for k in others), []).append((c["point"][key], c["final_eval_loss"]))
         for rest, xy in lines.items():
             xy.sort()
             ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o",
