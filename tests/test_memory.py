@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
@@ -15,7 +16,7 @@ from emulated import SECRET, EmulatedCluster, can_build
 from mlx_diloco.exchange.comm import SimCommunicator
 from mlx_diloco.memory import GB, MemoryOptions, estimate, make_it_fit, model_shape
 from mlx_diloco.training import checkpoint
-from mlx_diloco.training.run import Run
+from mlx_diloco.training.run import Run, memory_limit
 
 
 def train(tmp_path, name, **overrides):
@@ -97,3 +98,39 @@ def test_launch_refuses_a_job_too_large_for_a_host_before_it_starts(tmp_path):
         assert not any((tmp_path / "cluster").glob("host*/jobs/*"))  # nothing started
     finally:
         cluster.close()
+
+
+LIMITS_SEEN = []
+
+
+def loss_seeing_the_limit(model, x, y):
+    """Cross-entropy, noting MLX's memory limit as training sees it."""
+    LIMITS_SEEN.append(mx.get_memory_limit())
+    return nn.losses.cross_entropy(model(x), y, reduction="mean")
+
+
+def test_a_memory_limit_lowers_the_peak_and_is_given_back(tmp_path):
+    """MLX's CPU allocates each output when it queues the operation: a forward pass through 20
+    layers holds all 20 outputs at once. Under a limit MLX waits for queued work instead. A run
+    with --memory-limit trains under it, and gives MLX's limit back at the end."""
+    weights = [mx.random.normal((512, 512)) / 23 for _ in range(20)]
+    x = mx.random.normal((512, 512))
+    mx.eval(weights, x)
+
+    def forward_peak():
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        y = x
+        for w in weights:
+            y = mx.tanh(y @ w)
+        mx.eval(y)
+        return mx.get_peak_memory() - base
+    unlimited = forward_peak()
+    with memory_limit((mx.get_active_memory() + 3e6) / 1e9):
+        limited = forward_peak()
+    assert limited < 0.5 * unlimited
+
+    before = mx.get_memory_limit()
+    config = tiny_config(memory_limit=1.5, loss="test_memory:loss_seeing_the_limit")
+    Run(config, tmp_path / "r", SimCommunicator(2), log=lambda m: None).train()
+    assert set(LIMITS_SEEN) == {1_500_000_000} and mx.get_memory_limit() == before

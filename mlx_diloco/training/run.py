@@ -9,6 +9,7 @@ import json
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -115,6 +116,22 @@ class Placement:
     resume_step: int = None        # resume from this checkpoint rather than the newest
 
 
+@contextmanager
+def memory_limit(gb: float):
+    """MLX keeps to `gb` while training (0: MLX's default). MLX's CPU queues a graph's operations
+    ahead of running them, allocating each output as it is queued: without a limit, a step can
+    hold every intermediate at once (measured on a 1B model: 16.5 GB for what needs 11). Past the
+    limit, MLX waits for queued work to finish first."""
+    if not gb:
+        yield
+        return
+    previous = mx.set_memory_limit(int(gb * 1e9))
+    try:
+        yield
+    finally:
+        mx.set_memory_limit(previous)
+
+
 class Run:
     """One training run in this process, over the workers `comm` says it hosts."""
 
@@ -134,11 +151,6 @@ class Run:
             raise ConfigError(f"the job has {comm.num_workers} workers but the config says {config.workers}")
         parts = parts or parts_from_config(config, log, place.shard_dir)
         self.spec, self.data, model = parts.spec, parts.data, parts.model
-        if config.memory_limit:
-            # MLX's CPU queues a graph's operations ahead of running them, allocating each output as
-            # it is queued: without a limit a step holds every intermediate at once (measured on a
-            # 1B model: 16.5 GB for what needs 11). Past the limit, MLX waits for queued work first.
-            mx.set_memory_limit(int(config.memory_limit * 1e9))
         if config.precision == "bf16":
             to_bf16(model)
         if config.grad_checkpoint and not checkpoint_blocks(model):
@@ -230,6 +242,10 @@ class Run:
 
     def train(self, stop_after: int = None) -> dict:
         """Train to the configured step count (or stop after `stop_after` steps, for tests)."""
+        with memory_limit(self.config.memory_limit):
+            return self._train(stop_after)
+
+    def _train(self, stop_after: int = None) -> dict:
         c = self.config
         if self.step == 0:
             self.evaluate(None, self.workers.eval_each(self.eval_batches))
