@@ -36,6 +36,12 @@ def plot_runs(run_dirs, out: Path, title: str = None) -> Path:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("eval loss (global model)")
     axes[0].legend(fontsize=8)
+    return save_figure(fig, out, title)
+
+
+def save_figure(fig, out: Path, title: str = None) -> Path:
+    """Write a matplotlib figure as a PNG (its folder made if need be) and close it."""
+    import matplotlib.pyplot as plt
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from ..config import ConfigError
+from ..plot import save_figure
 from ..training.metrics import MetricsLog, human_bytes
 
 CARD = "scorecard.json"
@@ -147,11 +148,4 @@ def plot(cards: list, out: Path, title: str = None) -> Path:
         for t in targets:
             ax.axhline(t, color="grey", linestyle=":", linewidth=1)
     axes[0].legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out, title)

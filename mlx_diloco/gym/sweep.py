@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 from ..config import ConfigError, TrainConfig
+from ..plot import save_figure
 from ..training import checkpoint
 from . import scorecard
 
@@ -125,7 +126,4 @@ def plot(cards: list, keys: list, out: Path) -> Path:
     ax.set_xscale("log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
