@@ -34,7 +34,7 @@ def main():
     import mlx.core as mx
     from mlx_diloco.config import TrainConfig
     from mlx_diloco.exchange.comm import SimCommunicator
-    from mlx_diloco.training.run import Run
+    from mlx_diloco.training.run import Run, memory_limit
     model, precision, *extra = sys.argv[1:]
     options = dict(model=model, workers=1, steps=4, sync_every=2, batch_size=4, seq_len=512, eval_batches=1,
                    precision=precision)
@@ -55,11 +55,12 @@ def main():
         run.workers.params = run.strategy.after_step(run.workers.params, 2)
         mx.eval(run.workers.params)
 
-    phase("step 1", lambda: run.workers.step(x, y, run.strategy, 1))
-    phase("eval", lambda: run.workers.eval_each(run.eval_batches).tolist())
-    phase("step 2", lambda: run.workers.step(x, y, run.strategy, 2))
-    phase("sync", sync)
-    phase("global eval", lambda: run.workers.eval_params(run.global_params(), run.eval_batches))
+    with memory_limit(run.config.memory_limit):  # as Run.train does
+        phase("step 1", lambda: run.workers.step(x, y, run.strategy, 1))
+        phase("eval", lambda: run.workers.eval_each(run.eval_batches).tolist())
+        phase("step 2", lambda: run.workers.step(x, y, run.strategy, 2))
+        phase("sync", sync)
+        phase("global eval", lambda: run.workers.eval_params(run.global_params(), run.eval_batches))
 
 
 if __name__ == "__main__":
