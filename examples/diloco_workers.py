@@ -29,11 +29,12 @@ def main():
     p.add_argument("--out", default="runs/examples/workers")
     args = p.parse_args()
 
-    base = {**get_problem("shakespeare-home").settings(), "steps": args.steps}
+    problem = get_problem("shakespeare-home")
+    base = {**problem.settings(), "steps": args.steps}
     workers = (1, 2, 4, 8)
     points = ([{"strategy": "diloco", "workers": m, "sync_every": h} for m in workers for h in (10, 50)]
               + [{"strategy": "ddp", "workers": m} for m in workers])
-    cards = run_sweep(base, points, Path(args.out),
+    cards = run_sweep(base, points, Path(args.out), problem=problem,
                       train=lambda config, run_dir, resume: simulate(config, run_dir, resume=resume, log=lambda m: None))
     ddp = {c["workers"]: c["final_eval_loss"] for c in cards if c["strategy"] == "ddp"}
     for c in cards:

@@ -29,10 +29,11 @@ def main():
     p.add_argument("--out", default="runs/examples/single-worker")
     args = p.parse_args()
 
-    base = {**get_problem("shakespeare-home").settings(), "workers": 1, "steps": args.steps, "eval_every": 50}
+    problem = get_problem("shakespeare-home")
+    base = {**problem.settings(), "workers": 1, "steps": args.steps, "eval_every": 50}
     points = [{"strategy": "ddp"},  # one worker: plain AdamW
               {"strategy": "diloco", "sync_every": 50}, {"strategy": "diloco", "sync_every": 500}]
-    cards = run_sweep(base, points, Path(args.out),
+    cards = run_sweep(base, points, Path(args.out), problem=problem,
                       train=lambda config, run_dir, resume: simulate(config, run_dir, resume=resume, log=lambda m: None))
     for c in cards:
         print(f"{'AdamW' if c['strategy'] == 'ddp' else c['label']:16} final eval loss {c['final_eval_loss']:.4f}")
