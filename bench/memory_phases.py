@@ -9,7 +9,6 @@ Arguments: a preset, a precision, then config keys and DiLoCo options as key=val
 batch 4 x 512, a sync after step 2.
 """
 
-import json
 import sys
 import tempfile
 import time
@@ -23,16 +22,10 @@ if __name__ == "__main__":
     ensure_fast_blas(sys.argv)
 
 
-def value(text: str):
-    try:
-        return json.loads(text)  # true, 4, 2.5
-    except json.JSONDecodeError:
-        return text
-
-
 def main():
     import mlx.core as mx
     from mlx_diloco.config import TrainConfig
+    from mlx_diloco.gym.sweep import value
     from mlx_diloco.exchange.comm import SimCommunicator
     from mlx_diloco.training.run import Run, memory_limit
     model, precision, *extra = sys.argv[1:]

@@ -113,7 +113,7 @@ def run_processes(config: TrainConfig, run_dir: Path, processes: int, resume: bo
         try:
             while any(p.poll() is None for p in procs) and not failure(procs, logs):
                 time.sleep(0.2)
-            if any(p.returncode in (-signal.SIGINT, 130) for p in procs):
+            if any(p.poll() in (-signal.SIGINT, 130) for p in procs):
                 raise KeyboardInterrupt  # Ctrl-C reached the processes first: say so, not "failed"
             if why := failure(procs, logs):
                 raise ConfigError(why)
