@@ -6,8 +6,9 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from .config import ConfigError
+from .config import ConfigError, TrainConfig
 from .models.zoo import ModelSpec, build_model
+from .strategies.diloco import DiLoCo
 from .training import checkpoint
 
 
@@ -19,12 +20,21 @@ def load_trained_model(run_dir):
     if spec.type == "mlx-lm":
         spec.path = Path(meta["config"]["model"])
     model = build_model(spec)
-    strategy_state = arrays.get("strategy", {})
-    params = strategy_state.get("global") or tree_map(lambda p: p[0], arrays["workers"]["params"])
-    model.update(params)
+    model.update(global_parameters(model, arrays, meta))
     mx.eval(model.parameters())
     tokenizer = run_dir / "tokenizer"
     return model, spec, tokenizer if tokenizer.is_dir() else None
+
+
+def global_parameters(model, arrays: dict, meta: dict) -> dict:
+    """The global model a checkpoint holds, in the dtypes of `model`'s parameters: DiLoCo's
+    fragments' global values in their places; for the other strategies worker 0's parameters
+    (their replicas are equal, or end so)."""
+    strategy = arrays.get("strategy", {})
+    if "fragments" not in strategy:
+        return tree_map(lambda p: p[0], arrays["workers"]["params"])
+    order = TrainConfig.from_dict(meta["config"]).strategy_options.get("fragment_order", "strided")
+    return DiLoCo.global_from_state(model.trainable_parameters(), strategy, order)
 
 
 def export_mlx_lm(run_dir, out_dir) -> Path:

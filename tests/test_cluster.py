@@ -14,8 +14,8 @@ from mlx.utils import tree_flatten
 
 from conftest import tiny_config
 from emulated import SECRET, EmulatedCluster, can_build
-from mlx_diloco.training import checkpoint
 from mlx_diloco.exchange.comm import SimCommunicator
+from mlx_diloco.export import load_trained_model
 from mlx_diloco.training.run import Run
 
 pytestmark = pytest.mark.skipif(bool(can_build()), reason=can_build())
@@ -60,8 +60,7 @@ def sim_global(config, tmp_path):
 
 def cluster_global(cluster):
     (worker0,) = cluster.folder.glob("host*/jobs/*/worker-0")
-    state, _ = checkpoint.load(worker0)
-    return {k: np.array(v) for k, v in tree_flatten(state["strategy"]["global"])}
+    return {k: np.array(v) for k, v in tree_flatten(load_trained_model(worker0)[0].trainable_parameters())}
 
 
 def assert_same_params(a, b):

@@ -3,20 +3,16 @@ loopback, train exactly what one process of N workers trains (up to the order of
 
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
 from conftest import run_cli, tiny_config
 from mlx_diloco.exchange.comm import SimCommunicator
+from mlx_diloco.export import load_trained_model
 from mlx_diloco.training import checkpoint
 from mlx_diloco.training.run import Run
 
 FLAGS = ["--model", "tiny", "--seq-len", "16", "--batch-size", "4", "--workers", "4", "--steps", "12",
          "--eval-batches", "2", "--warmup", "2", "--sample-tokens", "0", "--compress", "fp32"]  # as tiny_config
-
-
-def global_model(state):
-    return dict(tree_flatten(state.get("strategy", {}).get("global")
-                             or tree_map(lambda p: p[0], state["workers"]["params"])))
 
 
 @pytest.mark.parametrize("strategy", [["--strategy", "diloco", "--sync-every", "4"], ["--strategy", "ddp"],
@@ -30,7 +26,7 @@ def test_two_processes_train_like_one(tmp_path, strategy):
     config = tiny_config(workers=4, compress="fp32", **{k: int(v) if v.isdigit() else v for k, v in options.items()})
     one = Run(config, tmp_path / "k1", SimCommunicator(4), log=lambda m: None)
     one.train()
-    got = global_model(checkpoint.load(tmp_path / "k2", log=lambda m: None)[0])
+    got = dict(tree_flatten(load_trained_model(tmp_path / "k2")[0].trainable_parameters()))
     for k, v in tree_flatten(one.global_params()):
         np.testing.assert_allclose(np.array(got[k]), np.array(v), rtol=1e-4, atol=1e-6, err_msg=k)
     # the second process checkpoints its workers (2 and 3) beside the run

@@ -9,10 +9,10 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
 from conftest import tiny_config
-from mlx_diloco.training import checkpoint
+from mlx_diloco.export import load_trained_model
 from mlx_diloco.exchange.comm import SimCommunicator
 from mlx_diloco.training.processes import free_ports
 from mlx_diloco.training.run import Run
@@ -78,9 +78,7 @@ def test_ring_run_matches_sim(tmp_path, strategy, options):
 
     sim = Run(config, tmp_path / "sim", SimCommunicator(2), log=lambda m: None)
     sim.train()
-    ring_state, _ = checkpoint.load(tmp_path / "ring")
-    ring_model = ring_state.get("strategy", {}).get("global") or tree_map(lambda p: p[0], ring_state["workers"]["params"])
-    ring_global = dict(tree_flatten(ring_model))
+    ring_global = dict(tree_flatten(load_trained_model(tmp_path / "ring")[0].trainable_parameters()))
     close = []
     for k, v in tree_flatten(sim.global_params()):
         close.append(np.isclose(np.array(ring_global[k]), np.array(v), rtol=1e-3, atol=1e-5).ravel())

@@ -109,22 +109,30 @@ class DiLoCo(Strategy):
             for f in self.parts:   # every worker starts the fragments' exchanges in the same order
                 if f.is_send_step(step - K):
                     f.prepare_sync(flat, self.comm, step, self.sync_weights)
+                    if f.apply_at == step:  # no overlap: land it now, so that fragments syncing at
+                        flat = f.perform_sync(flat)  # one step (H < P) hold one's buffers at a time
             for f in self.parts:
                 if f.pending is not None and f.apply_at == step:
                     flat = f.perform_sync(flat)
         return tree_unflatten(list(flat.items()))
 
     def global_params(self, params):
-        return global_tree(self.template, self.parts)
+        return global_tree(self.template, [(f.pieces, f.global_values) for f in self.parts])
 
     def state(self):
-        return {"global": self.global_params(None), "fragments": [f.state() for f in self.parts]}
+        return {"fragments": [f.state() for f in self.parts]}
 
     def load_state(self, state):
-        flat = {k: v[None] for k, v in tree_flatten(state["global"])}
         for f in self.parts:
-            f.global_values = gather(flat, f.pieces)[0]
             f.load_state(state["fragments"][f.index], self.comm)
+
+    @staticmethod
+    def global_from_state(template, state: dict, fragment_order: str = "strided"):
+        """The global model a checkpoint's DiLoCo state holds, in the dtypes of `template` (a
+        model's parameters): what export and the tests read back without building a run."""
+        fragments = state["fragments"]
+        pieces = partition(template, len(fragments), fragment_order)
+        return global_tree(template, [(p, f["global"]) for p, f in zip(pieces, fragments)])
 
 
 @dataclass

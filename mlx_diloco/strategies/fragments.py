@@ -195,8 +195,10 @@ class Fragment:
         return out
 
     def state(self) -> dict:
-        """Outer optimizer state, error-feedback buffer, and an exchange in flight (what this worker sent)."""
-        out = {"outer": self.store.outer_state}
+        """Global values (fp32, exact), outer optimizer state, error-feedback buffer, and an exchange
+        in flight (what this worker sent). Offloaded, the arrays are lazy reads of their files: a
+        checkpoint writes them one at a time (training/checkpoint.py)."""
+        out = {"global": self.store.global_values, "outer": self.store.outer_state}
         if self.error is not None:
             out["error"] = self.error
         if self.pending is not None:
@@ -205,6 +207,7 @@ class Fragment:
 
     def load_state(self, state: dict, comm):
         """Restore, and start again the exchange that was in flight: every worker resends what it sent."""
+        self.store.global_values = state["global"]
         self.store.outer_state = state["outer"]
         if self.error is not None:
             self.error = state["error"]
@@ -212,10 +215,11 @@ class Fragment:
             self._start(state["in_flight"]["sent"], comm, apply_at=state["in_flight"]["apply_at"].item())
 
 
-def global_tree(params, fragments: list):
-    """The global model (no worker axis): each fragment's global values in their places."""
+def global_tree(params, parts):
+    """The global model (no worker axis): each part's global values, (pieces, values) pairs, in
+    their places, cast to the dtypes of `params`."""
     flat = {k: v[None] for k, v in tree_flatten(params)}
-    for f in fragments:
-        flat = scatter(flat, f.pieces, f.global_values[None])
-        mx.eval([flat[p.path] for p in f.pieces])  # one fragment's fp32 values in memory at a time
+    for pieces, values in parts:
+        flat = scatter(flat, pieces, values[None])
+        mx.eval([flat[p.path] for p in pieces])  # one fragment's fp32 values in memory at a time
     return tree_unflatten([(k, v[0]) for k, v in flat.items()])

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 from tqdm import tqdm
 
 from ..atomic import atomic_write_text
@@ -381,14 +382,15 @@ class Run:
 
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self):
-        arrays = {"workers": {"params": self.workers.params, "inner": self.workers.optimizer.state},
-                  "strategy": self.strategy.state()}
+        # Flat, and no other reference to the tree: the checkpoint drops each array once written.
+        flat = dict(tree_flatten({"workers": {"params": self.workers.params, "inner": self.workers.optimizer.state},
+                                  "strategy": self.strategy.state()}))
         meta = {"config": self.config.to_dict(), "cursors": [s.state() for s in self.samplers],
                 "compute_s": self.compute_s, "comm_s": self.comm_s, "bytes_sent": self.bytes_sent,
                 "worker_speeds": self.speeds and list(self.speeds.speeds),
                 "peak_exchange_bytes": self.peak_exchange_bytes, "exchange_log": self.exchange_log,
                 "model_preset": self.spec.params if self.spec else None, "vocab_size": self.data.vocab_size}
-        checkpoint.save(self.checkpoint_dir, self.step, arrays, meta)
+        checkpoint.save(self.checkpoint_dir, self.step, flat, meta)
 
     def _restore(self):
         arrays, meta = checkpoint.load(self.checkpoint_dir, self.place.resume_step, log=self.log)
