@@ -101,9 +101,11 @@ def parts_from_config(config: TrainConfig, log=print, shard_dir=None) -> Parts:
     spec = load_spec(config.model)
     data = load_data(config, spec, log=log, shard_dir=shard_dir)
     loss = import_builder(config.loss, "loss function") if config.loss else None
-    # "auto": vmapped unless MLX cannot vmap the model (conv2d's gradient), which the first step shows
+    # "auto": vmapped unless MLX cannot vmap the model (conv2d's gradient), which the first step shows.
+    # Checkpointed blocks are for memory: one replica after another, each block evaluated in turn.
+    vectorize = "auto" if config.vectorize and not config.grad_checkpoint else False
     return Parts(build_model(spec, seed=config.seed), data, config.make_strategy(), loss=loss,
-                 vectorize="auto" if config.vectorize else False, spec=spec)
+                 vectorize=vectorize, spec=spec)
 
 
 @dataclass

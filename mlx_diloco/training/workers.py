@@ -12,6 +12,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from ..exchange.comm import placeholders, stack_copies
 from ..models import fastmath
+from ..models.precision import block_by_block
 
 
 # Elements (over every local replica) whose inner update is evaluated together. MLX's CPU allocates
@@ -89,12 +90,13 @@ class Workers:
         def run(params, x, y):
             outs = [grad_fn(tree_map(lambda p: p[i], params), x[i], y[i]) for i in range(self.n_local)]
             losses = mx.stack([loss for loss, _ in outs])
-            grads = tree_map(lambda *gs: mx.stack(gs), *[g for _, g in outs])
+            grads = tree_map(lambda *gs: mx.stack(gs) if len(gs) > 1 else gs[0][None], *[g for _, g in outs])
             return losses, grads
         return run
 
     def _eval_one_by_one(self, params, x, y):
-        return mx.stack([self.loss(tree_map(lambda p: p[i], params), x, y) for i in range(self.n_local)])
+        with block_by_block():
+            return mx.stack([self.loss(tree_map(lambda p: p[i], params), x, y) for i in range(self.n_local)])
 
     def release(self):
         """Point the model at placeholders: after a call it holds the arrays it last ran with,
@@ -163,14 +165,21 @@ class Workers:
 
     def eval_each(self, batches) -> mx.array:
         """Validation loss of every local replica, shape (n_local,)."""
-        total = sum(self._eval_each(self.params, mx.array(x), mx.array(y)) for x, y in batches)
-        out = total / len(batches)
-        mx.eval(out)
+        out = self._mean_loss(lambda x, y: self._eval_each(self.params, x, y), batches)
         self.release()
         return out
 
     def eval_params(self, params, batches) -> float:
-        total = sum(self.loss(params, mx.array(x), mx.array(y)) for x, y in batches)
-        out = (total / len(batches)).item()
+        with block_by_block():
+            out = self._mean_loss(lambda x, y: self.loss(params, x, y), batches).item()
         self.release()
         return out
+
+    @staticmethod
+    def _mean_loss(loss, batches) -> mx.array:
+        """The mean of `loss` over the batches, evaluated batch by batch (one batch's logits at a time)."""
+        total = 0
+        for x, y in batches:
+            total = total + loss(mx.array(x), mx.array(y))
+            mx.eval(total)
+        return total / len(batches)
