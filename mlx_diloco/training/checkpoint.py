@@ -3,8 +3,9 @@
 A checkpoint is two files: `ckpt-STEP.safetensors` (every array: each worker's parameters and
 inner AdamW state; DiLoCo's global values and outer optimizer, per fragment; with Streaming DiLoCo
 also each fragment's error-feedback buffer and the pseudo-gradient of an exchange in flight, which
-a resumed run sends again) and `ckpt-STEP.json` (the config, step, data cursors, RNG state). `latest.json` names the newest complete checkpoint and is
-replaced last, so a crash while writing leaves the previous checkpoint in force.
+a resumed run sends again) and `ckpt-STEP.json` (the config, step, data cursors, RNG state).
+`latest.json` names the newest complete checkpoint and is replaced last, so a crash while writing
+leaves the previous checkpoint in force.
 """
 
 import json

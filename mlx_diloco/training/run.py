@@ -102,7 +102,8 @@ def parts_from_config(config: TrainConfig, log=print, shard_dir=None) -> Parts:
     data = load_data(config, spec, log=log, shard_dir=shard_dir)
     loss = import_builder(config.loss, "loss function") if config.loss else None
     # "auto": vmapped unless MLX cannot vmap the model (conv2d's gradient), which the first step shows.
-    # Checkpointed blocks are for memory: one replica after another, each block evaluated in turn.
+    # Checkpointed blocks are for memory: replicas one after another, so that evaluations can go
+    # block by block (models/precision.py), which vmap does not allow.
     vectorize = "auto" if config.vectorize and not config.grad_checkpoint else False
     return Parts(build_model(spec, seed=config.seed), data, config.make_strategy(), loss=loss,
                  vectorize=vectorize, spec=spec)
