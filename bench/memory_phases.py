@@ -45,7 +45,7 @@ def main():
               f"{mx.get_active_memory() / 1e9:.2f} GB, {time.time() - t:.0f} s", flush=True)
 
     def sync():
-        run.workers.params = run.strategy.after_step(run.workers.params, 2)
+        run.workers.params = run.strategy.after_step(run.workers.take_params(), 2)
         mx.eval(run.workers.params)
 
     with memory_limit(run.config.memory_limit):  # as Run.train does

@@ -22,11 +22,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_map
 
 from .config import ConfigError, TrainConfig, from_dict
 from .data.datasets import ArrayExamples, BatchStream, Dataset
-from .exchange.comm import SimCommunicator
+from .exchange.comm import SimCommunicator, replica
 from .exchange.network import modelled_time, parse_link
 from .models.zoo import build_model, load_spec
 from .training import checkpoint
@@ -145,7 +144,7 @@ class Trainer:
         run_processes(config, run_dir, K, resume=resume, log=self.log)
         state, meta = checkpoint.load(run_dir, log=lambda m: None)
         model = self.built_model(config.seed)
-        model.update(tree_map(lambda p: p[0], state["workers"]["params"]))  # the replicas end synced
+        model.update(replica(state["workers"]["params"]))  # the replicas end synced
         summary = json.loads((run_dir / "summary.json").read_text())
         return FitResult(model, MetricsLog.read(run_dir), summary["bytes_sent_per_worker"], summary, run_dir,
                          [tuple(e) for e in meta["exchange_log"]], meta["compute_s"] / max(meta["step"], 1))

@@ -4,9 +4,9 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_map
 
 from .config import ConfigError, TrainConfig
+from .exchange.comm import replica
 from .models.zoo import ModelSpec, build_model
 from .strategies.diloco import DiLoCo
 from .training import checkpoint
@@ -32,7 +32,7 @@ def global_parameters(model, arrays: dict, meta: dict) -> dict:
     (their replicas are equal, or end so)."""
     strategy = arrays.get("strategy", {})
     if "fragments" not in strategy:
-        return tree_map(lambda p: p[0], arrays["workers"]["params"])
+        return replica(arrays["workers"]["params"])
     order = TrainConfig.from_dict(meta["config"]).strategy_options.get("fragment_order", "strided")
     return DiLoCo.global_from_state(model.trainable_parameters(), strategy, order)
 

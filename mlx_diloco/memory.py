@@ -4,10 +4,12 @@
     AdamW moments               2P x (4 or 2)
     DiLoCo's outer state        the global model and the outer momentum: 2P x 4 (fp32 always), or
                                 nothing with offload-outer (they wait in a file between syncs)
-    activations                 per block, what the backward pass keeps (or, checkpointed, only each
-                                block's input and one block's recomputation), plus the logits
+    activations                 per block, what the backward pass keeps, plus the logits (or,
+                                checkpointed, each block's input and the larger of one block's
+                                recomputation and the loss's piece)
     the sync                    one fragment's pseudo-gradient buffers (1/P of the model with
                                 Streaming DiLoCo's P fragments): the peak of a large model with P=1
+    the evaluation              the global model in the training precision and a forward pass
 
 The activation constants are fitted to MLX's measured peak memory (`bench/memory.py`, which
 prints the estimate beside the measurement). MLX-free: `plan`, `doctor` and the launcher use it.
@@ -76,16 +78,19 @@ def estimate(shape: Shape, o: MemoryOptions, workers: int = 1) -> dict:
     m = 2 if o.moments_precision == "bf16" else 4
     tokens = o.batch_size * max(o.seq_len, 1)
     # Activations, fitted to MLX's peaks on the CPU (bench/memory.py): per block and token the
-    # backward pass keeps ~5 hidden-size, 3 MLP-width values and 1-3 attention rows in fp32; the
-    # loss ~22 bytes per logit (the fp32 logits, their softmax and gradient). Checkpointed, a block
-    # keeps its input only and one block is recomputed at a time. bf16 on the CPU adds ~30%: the
-    # fp32 copies its matrix multiplies make.
+    # backward pass keeps ~5 hidden-size, 3 MLP-width values and 1-3 attention rows in fp32 (bf16
+    # on the CPU adds ~30%: the fp32 copies its matrix multiplies make); the loss ~18-22 bytes per
+    # logit (the fp32 logits, their softmax and gradient), an evaluation ~12.
     per_block = tokens * 4 * (5 * shape.hidden + 3 * shape.ffn + shape.attention_copies * shape.heads * max(o.seq_len, 1))
+    per_block *= 1.3 if o.precision == "bf16" else 1.0
+    logits = tokens * shape.vocab
     if o.grad_checkpoint:
-        blocks = shape.blocks * tokens * shape.hidden * w + per_block
+        # Block by block (models/checkpointing.py): every block's input is kept; the loss's piece of
+        # the backward pass runs before any gradient exists, then one block's piece at a time
+        # beside the gradients.
+        activations = shape.blocks * tokens * shape.hidden * w + max(per_block, 18 * logits - P * w)
     else:
-        blocks = shape.blocks * per_block
-    activations = (blocks + 22 * tokens * shape.vocab) * (1.3 if o.precision == "bf16" else 1.0)
+        activations = shape.blocks * per_block + 22 * logits
     periodic = o.strategy in ("diloco", "fedavg", "sparta-diloco", "muloco")
     fragment = P // max(o.fragments, 1)
     parts = {
@@ -98,11 +103,13 @@ def estimate(shape: Shape, o: MemoryOptions, workers: int = 1) -> dict:
         # one fragment's buffers at a sync: its values, the pseudo-gradient and its mean, ~3.5 fp32
         # copies measured (and, offloaded, the global values and momentum read back)
         "sync": int((3.5 * workers + 2 * o.offload_outer) * fragment * 4) if periodic else 0,
+        # evaluating the global model: a copy of it in the training precision, and a forward pass
+        "evaluation": (P * w if periodic else 0) + 12 * logits,
     }
-    # The sync happens between steps: the gradients and activations are gone by then.
-    step_peak = sum(v for k, v in parts.items() if k != "sync")
-    sync_peak = step_peak - parts["gradients"] - parts["activations"] + parts["sync"]
-    return {**parts, "total": max(step_peak, sync_peak)}
+    # The sync and the evaluations happen between steps: the gradients and activations are gone.
+    step_peak = sum(v for k, v in parts.items() if k not in ("sync", "evaluation"))
+    between_steps = step_peak - parts["gradients"] - parts["activations"]
+    return {**parts, "total": max(step_peak, between_steps + parts["sync"], between_steps + parts["evaluation"])}
 
 
 def macs_it_fits(total_bytes: float) -> list:

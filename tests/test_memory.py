@@ -9,12 +9,14 @@ import sys
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from conftest import run_cli, tiny_config
 from emulated import SECRET, EmulatedCluster, can_build
-from mlx_diloco.exchange.comm import SimCommunicator
+from mlx_diloco.exchange.comm import SimCommunicator, stack_copies
 from mlx_diloco.memory import GB, MemoryOptions, estimate, make_it_fit, model_shape
+from mlx_diloco.models.zoo import ModelSpec, build_model, load_spec
+from mlx_diloco.strategies.diloco import DiLoCo
 from mlx_diloco.training import checkpoint
 from mlx_diloco.training.run import Run, memory_limit
 
@@ -64,7 +66,7 @@ def test_peak_memory_is_measured_and_bf16_checkpointing_lowers_it(tmp_path):
         assert "peak memory" in out.stdout
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         peaks[name] = json.loads((tmp_path / name / "summary.json").read_text())["peak_memory_bytes"]
-        assert rows[-1]["peak_memory_bytes"] == peaks[name] > 0
+        assert 0 < rows[-1]["peak_memory_bytes"] <= peaks[name]  # the summary's counts the last global eval too
     assert peaks["lean"] < 0.75 * peaks["fp32"], peaks
 
 
@@ -170,3 +172,48 @@ def test_the_inner_update_runs_a_group_at_a_time_with_the_same_result():
     (whole, reference), (grouped, result) = runs.values()
     assert all(k == l and mx.array_equal(a, b).item() for (k, a), (l, b) in zip(reference, result))
     assert whole > 1.5 and grouped < 1.1
+
+
+def test_the_offloaded_global_model_is_built_one_fragments_values_at_a_time():
+    """Each offloaded fragment's fp32 values are read from their file when their turn comes and
+    dropped after: the global model costs its own size and one fragment's values, not all of them."""
+    spec = ModelSpec("deep", {"type": "llama", "vocab_size": 256, "hidden_size": 256, "intermediate_size": 704,
+                              "num_hidden_layers": 8, "num_attention_heads": 4, "rms_norm_eps": 1e-5})
+    model = build_model(spec)
+    model.set_dtype(mx.bfloat16)  # a bf16 model keeps fp32 global values
+    params = model.trainable_parameters()
+    strategy = DiLoCo(fragments=8, offload_outer=True).bind(SimCommunicator(1), steps=10)
+    strategy.setup(params)
+    fp32 = 4 * sum(v.size for _, v in tree_flatten(params))
+    del model, params
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    global_model = strategy.global_params(None)
+    mx.eval(global_model)
+    assert mx.get_peak_memory() - base < fp32 / 2 + 3 * fp32 / 8, (mx.get_peak_memory() - base, fp32)
+    assert mx.get_active_memory() - base == sum(v.nbytes for _, v in tree_flatten(global_model))  # nothing else kept
+
+
+def test_a_sync_handed_the_parameters_frees_each_old_value_as_its_new_one_lands():
+    """Run hands the outer step its parameters (Workers.take_params): with no reference left
+    elsewhere, a sync holds one model's values, not the old and the new one together."""
+    model = build_model(load_spec("small"))
+    model.set_dtype(mx.bfloat16)
+    strategy = DiLoCo(sync_every=1, fragments=5).bind(SimCommunicator(1), steps=10)
+    strategy.setup(model.trainable_parameters())
+
+    def stacked():  # the workers' own copy (stack_copies alone would be a view of the model's arrays)
+        params = tree_map(lambda v: v * 1, stack_copies(model.trainable_parameters(), 1))
+        mx.eval(params)
+        return params
+
+    def peak(step, hand_over):
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        held = None if hand_over else stacked()
+        mx.eval(strategy.after_step(stacked() if hand_over else held, step))
+        return mx.get_peak_memory() - base
+    W = sum(v.nbytes for _, v in tree_flatten(model.trainable_parameters()))
+    peak(1, hand_over=True)  # the first outer step creates the outer momentum
+    held, handed = peak(2, hand_over=False), peak(3, hand_over=True)
+    assert handed < held - 0.8 * W, (held, handed, W)

@@ -37,6 +37,12 @@ def stack_copies(tree, n: int):
     return tree_map(lambda x: mx.broadcast_to(x[None], (n, *x.shape)), tree)
 
 
+def replica(tree, i: int = 0):
+    """Worker i's values of a tree of (n, ...) arrays, as views: MLX copies on an integer index
+    (`x[i]`: a whole model's worth of memory for a model's parameters), not on a slice."""
+    return tree_map(lambda x: x[i:i + 1].reshape(x.shape[1:]), tree)
+
+
 def placeholders(tree):
     """Unevaluated zeros shaped like `tree`: its shapes and dtypes without its memory."""
     return tree_map(lambda x: mx.zeros(x.shape, x.dtype), tree)

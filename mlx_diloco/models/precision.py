@@ -1,4 +1,4 @@
-"""What a model is stored and computed in: bf16 weights, and activation checkpointing per block.
+"""What a model is stored and computed in: bf16 weights, fp32 matrix multiplies on the CPU.
 
 bf16 halves the weights, gradients and stored activations. On Apple GPUs bf16 is also MLX's fast
 path; MLX's CPU has no bf16 matrix multiply (measured here: 3 GFLOP/s against 98 for fp32), so on
@@ -6,48 +6,53 @@ the CPU the linear layers multiply in fp32 and round the result to bf16: the sam
 bf16 values are kept for the backward pass), fp32 speed. mlx-lm's attention gets the same
 treatment (on the CPU only: it changes the module's function for every model of that architecture
 in this process, and leaves fp32 inputs as they are).
-
-Checkpointing keeps only each transformer block's input for the backward pass and recomputes the
-rest (`mx.checkpoint`): activation memory of one block instead of all of them, for a second forward.
-Inside `block_by_block()` a forward pass evaluates each block's output before it queues the next
-block, which bounds what MLX allocates ahead (llama-1b: see README, Memory).
-Both change a module's class in place (a subclass of its own), so parameter paths, checkpoints
-and Streaming DiLoCo's fragments are unchanged.
 """
 
 import sys
-from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .zoo import BLOCK
+
+def _matmul_in_fp32(out_fp32: bool):
+    """x @ w.T computed in fp32, returned in fp32 or in x's dtype; the backward pass keeps only
+    x and w (in their own dtype) and returns gradients in their dtypes."""
+    @mx.custom_function
+    def matmul(x, w):
+        y = x.astype(mx.float32) @ w.astype(mx.float32).T
+        return y if out_fp32 else y.astype(x.dtype)
+
+    @matmul.vjp
+    def matmul_vjp(primals, cotangent, output):
+        x, w = primals
+        g = cotangent.astype(mx.float32)
+        dx = g @ w.astype(mx.float32)
+        dw = g.reshape(-1, g.shape[-1]).T @ x.astype(mx.float32).reshape(-1, x.shape[-1])
+        return dx.astype(x.dtype), dw.astype(w.dtype)
+    return matmul
 
 
-@mx.custom_function
-def matmul_fp32(x, w):
-    """x @ w.T computed in fp32, returned in x's dtype; the backward pass keeps only x and w."""
-    return (x.astype(mx.float32) @ w.astype(mx.float32).T).astype(x.dtype)
-
-
-@matmul_fp32.vjp
-def _matmul_fp32_vjp(primals, cotangent, output):
-    x, w = primals
-    g = cotangent.astype(mx.float32)
-    dx = g @ w.astype(mx.float32)
-    dw = g.reshape(-1, g.shape[-1]).T @ x.astype(mx.float32).reshape(-1, x.shape[-1])
-    return dx.astype(x.dtype), dw.astype(w.dtype)
+matmul_fp32 = _matmul_in_fp32(out_fp32=False)
+# The output head's: the loss reads the logits in fp32, so rounding them to bf16 and back would
+# only cost memory (two more copies of the largest activation) and precision.
+logits_fp32 = _matmul_in_fp32(out_fp32=True)
 
 
 class Fp32MatmulLinear(nn.Linear):
+    matmul = staticmethod(matmul_fp32)
+
     def __call__(self, x):
-        y = matmul_fp32(x, self["weight"])
+        y = self.matmul(x, self["weight"])
         return y + self["bias"] if "bias" in self else y
+
+
+class Fp32LogitsLinear(Fp32MatmulLinear):  # an output head (mlx-lm's `lm_head`)
+    matmul = staticmethod(logits_fp32)
 
 
 class Fp32MatmulEmbedding(nn.Embedding):
     def as_linear(self, x):  # a tied output head
-        return matmul_fp32(x, self.weight)
+        return logits_fp32(x, self.weight)
 
 
 def round_bf16_stochastically(x: mx.array) -> mx.array:
@@ -70,13 +75,14 @@ def fp32_attention(attention):
 
 
 def to_bf16(model: nn.Module) -> nn.Module:
-    """Weights in bf16; on the CPU, linear layers and mlx-lm's attention multiply in fp32."""
+    """Weights in bf16; on the CPU, linear layers and mlx-lm's attention multiply in fp32 (and the
+    output head returns fp32 logits)."""
     model.set_dtype(mx.bfloat16)
     if mx.default_device() != mx.cpu:
         return model
-    for _, m in model.named_modules():
+    for path, m in model.named_modules():
         if type(m) is nn.Linear:
-            m.__class__ = Fp32MatmulLinear
+            m.__class__ = Fp32LogitsLinear if path == "lm_head" else Fp32MatmulLinear
         elif type(m) is nn.Embedding:
             m.__class__ = Fp32MatmulEmbedding
     # mlx-lm's architectures call scaled_dot_product_attention from their module's globals.
@@ -85,41 +91,3 @@ def to_bf16(model: nn.Module) -> nn.Module:
     if attention is not None and not hasattr(attention, "wrapped"):
         module.scaled_dot_product_attention = fp32_attention(attention)
     return model
-
-
-_block_by_block = False
-
-
-@contextmanager
-def block_by_block():
-    """Inside, a checkpointed block evaluates its output before the next block is queued (for
-    forward passes outside vmap and compile). MLX's CPU allocates an operation's output when it
-    queues it, so a bf16 forward pass otherwise holds every layer's fp32 weight copies at once
-    (llama-1b: 3.9 GB)."""
-    global _block_by_block
-    before, _block_by_block = _block_by_block, True
-    try:
-        yield
-    finally:
-        _block_by_block = before
-
-
-def checkpointed(cls):
-    """`cls` with its __call__ run under mx.checkpoint: its activations recomputed in the backward pass."""
-    def __call__(self, *args, **kwargs):
-        def run(params, *args):
-            self.update(params)
-            return cls.__call__(self, *args, **kwargs)
-        out = mx.checkpoint(run)(self.trainable_parameters(), *args)
-        if _block_by_block:
-            mx.eval(out)
-        return out
-    return type(f"Checkpointed{cls.__name__}", (cls,), {"__call__": __call__})
-
-
-def checkpoint_blocks(model: nn.Module) -> int:
-    """Checkpoint every transformer block of `model`; returns how many there are."""
-    blocks = [m for path, m in model.named_modules() if (b := BLOCK.search(path)) and b.end() == len(path)]
-    for m in blocks:
-        m.__class__ = checkpointed(type(m))
-    return len(blocks)

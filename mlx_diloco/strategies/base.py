@@ -22,9 +22,9 @@ from dataclasses import asdict, field, fields
 
 import mlx.core as mx
 import mlx.optimizers as optim
-from mlx.utils import tree_map
 
 from ..config import ConfigError, checked_value
+from ..exchange.comm import replica
 from ..models.precision import round_bf16_stochastically
 
 
@@ -129,7 +129,7 @@ class Strategy:
         return params
 
     def global_params(self, params):
-        return tree_map(lambda p: p[0], params)
+        return replica(params)
 
     def state(self) -> dict:
         return {}

@@ -19,6 +19,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..exchange.codecs import Codec
+from ..exchange.comm import replica
 from ..models.zoo import BLOCK
 
 
@@ -216,10 +217,11 @@ class Fragment:
 
 
 def global_tree(params, parts):
-    """The global model (no worker axis): each part's global values, (pieces, values) pairs, in
-    their places, cast to the dtypes of `params`."""
-    flat = {k: v[None] for k, v in tree_flatten(params)}
+    """The global model (no worker axis): each part's global values, an iterable of (pieces, values)
+    pairs, in their places, cast to the dtypes of `params`. Fresh zeros underneath: the values
+    of `params` (placeholders, say) are not read, so they are not evaluated and kept either."""
+    flat = {k: mx.zeros((1, *v.shape), v.dtype) for k, v in tree_flatten(params)}
     for pieces, values in parts:
         flat = scatter(flat, pieces, values[None])
         mx.eval([flat[p.path] for p in pieces])  # one fragment's fp32 values in memory at a time
-    return tree_unflatten([(k, v[0]) for k, v in flat.items()])
+    return replica(tree_unflatten(list(flat.items())))

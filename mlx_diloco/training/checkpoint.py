@@ -15,7 +15,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_unflatten
 
 from ..atomic import atomic_write_text
 from ..config import ConfigError

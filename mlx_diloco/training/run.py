@@ -24,7 +24,8 @@ from ..data.datasets import (EMBEDDED, FASHION_MNIST, BatchStream, ShardSampler,
                              load_shard, prepare)
 from ..exchange.comm import Communicator
 from ..exchange.network import exchange_time, parse_link
-from ..models.precision import checkpoint_blocks, to_bf16
+from ..models.checkpointing import checkpoint_blocks
+from ..models.precision import to_bf16
 from ..models.zoo import build_model, count_parameters, import_builder, load_spec
 from . import checkpoint
 from .metrics import MetricsLog, human_bytes
@@ -102,11 +103,8 @@ def parts_from_config(config: TrainConfig, log=print, shard_dir=None) -> Parts:
     data = load_data(config, spec, log=log, shard_dir=shard_dir)
     loss = import_builder(config.loss, "loss function") if config.loss else None
     # "auto": vmapped unless MLX cannot vmap the model (conv2d's gradient), which the first step shows.
-    # Checkpointed blocks are for memory: replicas one after another, so that evaluations can go
-    # block by block (models/precision.py), which vmap does not allow.
-    vectorize = "auto" if config.vectorize and not config.grad_checkpoint else False
     return Parts(build_model(spec, seed=config.seed), data, config.make_strategy(), loss=loss,
-                 vectorize=vectorize, spec=spec)
+                 vectorize="auto" if config.vectorize else False, spec=spec)
 
 
 @dataclass
@@ -174,8 +172,11 @@ class Run:
         period = self.strategy.sync_every
         self.eval_every = config.eval_every or period or 50
         self.checkpoint_every = period or self.eval_every
+        # Checkpointed blocks are for memory: replicas one after another, so that passes can go
+        # block by block (models/checkpointing.py), which vmap does not allow.
+        vectorize = False if config.grad_checkpoint else parts.vectorize
         self.workers = Workers(model, comm.n_local, config, self.strategy.inner_optimizer(config),
-                               clip=self.strategy.clip_gradients, vectorize=parts.vectorize, loss=parts.loss, log=log)
+                               clip=self.strategy.clip_gradients, vectorize=vectorize, loss=parts.loss, log=log)
         self.data_workers = comm.local_workers if place.data_worker is None else [place.data_worker]
         if isinstance(self.data.train, BatchStream):  # batches given one by one: the stream is the cursor
             self.samplers = [self.data.train]
@@ -275,7 +276,7 @@ class Run:
             evaluate = self.step % self.eval_every == 0 or self.step == c.steps
             # The local models are evaluated before the outer step replaces them with the global one.
             worker_losses = self.workers.eval_each(self.eval_batches) if evaluate else None
-            self.workers.params = self.strategy.after_step(self.workers.params, self.step)
+            self.workers.params = self.strategy.after_step(self.workers.take_params(), self.step)
             self._account_exchanges()
             if self.place.progress_path and stepped:
                 self._write_progress(losses, tokens_per_step / dt)
@@ -293,6 +294,7 @@ class Run:
             if stop_after is not None and self.step >= stop_after:
                 break
         bar.close()
+        self.peak_memory = self._peak_memory()  # the last global evaluation and checkpoint included
         return self.summary()
 
     def _active(self, tick: int):
@@ -339,8 +341,7 @@ class Run:
         c = self.config
         worker_losses = self.comm.gather_metric(worker_losses)
         train_losses = None if train_losses is None else self.comm.gather_metric(train_losses)
-        # MLX's peak memory of every process (each hosts n_local workers): the largest one counts.
-        self.peak_memory = max(self.comm.gather_metric(mx.full((self.comm.n_local,), mx.get_peak_memory() / 1e6)))
+        self.peak_memory = self._peak_memory()
         if not self.reporter:
             return
         global_loss = self.workers.eval_params(self.global_params(), self.eval_batches)
@@ -368,6 +369,10 @@ class Run:
         }
         self.metrics.write(row)
 
+    def _peak_memory(self) -> float:
+        """MLX's peak memory (MB) of every process (each hosts n_local workers): the largest one."""
+        return max(self.comm.gather_metric(mx.full((self.comm.n_local,), mx.get_peak_memory() / 1e6)))
+
     def summary(self) -> dict:
         rows = MetricsLog.read(self.metrics.path) if self.reporter else []
         last = rows[-1] if rows else {}
@@ -377,7 +382,7 @@ class Run:
                    "bytes_sent_per_worker": self.bytes_sent, "peak_exchange_bytes": self.peak_exchange_bytes,
             "compute_s": self.compute_s,
                    "modelled_comm_s": self.comm_s, "utilisation": last.get("utilisation"),
-                   "link": self.link.describe(), "peak_memory_bytes": last.get("peak_memory_bytes"),
+                   "link": self.link.describe(), "peak_memory_bytes": int(self.peak_memory * 1e6),
                    "workers_per_process": self.comm.n_local}
         if self.reporter:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -10,9 +10,9 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
-from ..exchange.comm import placeholders, stack_copies
+from ..exchange.comm import placeholders, replica, stack_copies
 from ..models import fastmath
-from ..models.precision import block_by_block
+from ..models.checkpointing import block_by_block, blockwise_value_and_grad
 
 
 # Elements (over every local replica) whose inner update is evaluated together. MLX's CPU allocates
@@ -70,7 +70,10 @@ class Workers:
         self._placeholders = placeholders(model.trainable_parameters())
         self.optimizer = optimizer
         self.optimizer.init(self.params)
-        self._grad_fn = mx.value_and_grad(self.loss)
+        if config.grad_checkpoint and loss is None:  # a block at a time: models/checkpointing.py
+            self._grad_fn = blockwise_value_and_grad(model, self.loss_fn)
+        else:
+            self._grad_fn = mx.value_and_grad(self.loss)
         self._grads = mx.vmap(self._grad_fn) if vectorize else self._sequential(self._grad_fn)
         self._eval_each = mx.vmap(self.loss, in_axes=(0, None, None)) if vectorize else self._eval_one_by_one
         self._probe = vectorize == "auto"
@@ -88,7 +91,7 @@ class Workers:
     def _sequential(self, grad_fn):
         """The same computation without vmap: one replica after another."""
         def run(params, x, y):
-            outs = [grad_fn(tree_map(lambda p: p[i], params), x[i], y[i]) for i in range(self.n_local)]
+            outs = [grad_fn(replica(params, i), x[i], y[i]) for i in range(self.n_local)]
             losses = mx.stack([loss for loss, _ in outs])
             grads = tree_map(lambda *gs: mx.stack(gs) if len(gs) > 1 else gs[0][None], *[g for _, g in outs])
             return losses, grads
@@ -96,7 +99,13 @@ class Workers:
 
     def _eval_one_by_one(self, params, x, y):
         with block_by_block():
-            return mx.stack([self.loss(tree_map(lambda p: p[i], params), x, y) for i in range(self.n_local)])
+            return mx.stack([self.loss(replica(params, i), x, y) for i in range(self.n_local)])
+
+    def take_params(self):
+        """The parameters, handed over: with no reference left here, whoever replaces them (the
+        outer step) can free each old array as its new one is made, not a whole model at the end."""
+        params, self.params = self.params, None
+        return params
 
     def release(self):
         """Point the model at placeholders: after a call it holds the arrays it last ran with,
