@@ -22,7 +22,7 @@ MAC_MEMORY_GB = (16, 24, 32, 64)  # the Macs people pool
 # macOS lets the GPU wire about this share of a Mac's memory (MLX's recommended working set:
 # 16 GB of a 24 GB Mac); `sudo sysctl iogpu.wired_limit_mb=...` raises it.
 GPU_SHARE = 2 / 3
-RUNTIME_BYTES = int(0.01 * GB)  # what MLX holds beside the model, the batch and the evaluation
+RUNTIME_BYTES = int(0.005 * GB)  # what MLX holds beside the model, the batch and the evaluation
 
 
 @dataclass
@@ -101,8 +101,8 @@ def estimate(shape: Shape, o: MemoryOptions, workers: int = 1) -> dict:
         "outer state": 2 * P * 4 if periodic and not o.offload_outer else 0,  # global model, momentum (fp32)
         "activations": workers * int(activations),
         # one fragment's buffers at a sync: its values, the pseudo-gradient and its mean, ~3.5 fp32
-        # copies measured (and, offloaded, the global values and momentum read back)
-        "sync": int((3.5 * workers + 2 * o.offload_outer) * fragment * 4) if periodic else 0,
+        # copies measured (offloaded, ~4: the global values and momentum read back, one at a time)
+        "sync": int((3.5 * workers + 0.5 * o.offload_outer) * fragment * 4) if periodic else 0,
         # evaluating the global model: a copy of it in the training precision, and a forward pass
         "evaluation": (P * w if periodic else 0) + 12 * logits,
     }

@@ -87,7 +87,7 @@ def test_estimates_shrink_with_each_option_and_name_what_fits():
 
 @pytest.mark.skipif(bool(can_build()), reason=can_build())
 def test_launch_refuses_a_job_too_large_for_a_host_before_it_starts(tmp_path):
-    cluster = EmulatedCluster(2, tmp_path / "cluster", max_memory={2: 0.016})  # host2 offers 16 MB
+    cluster = EmulatedCluster(2, tmp_path / "cluster", max_memory={2: 0.012})  # host2 offers 12 MB
     try:
         config = tiny_config(workers=2, batch_size=16, seq_len=32)
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in config.to_dict().items() if not isinstance(v, bool)]
@@ -96,7 +96,7 @@ def test_launch_refuses_a_job_too_large_for_a_host_before_it_starts(tmp_path):
                              env={**os.environ, "MLX_DILOCO_SECRET": SECRET})
         assert out.returncode == 2, out.stderr[-2000:]
         line = out.stderr.strip().splitlines()[-1]
-        assert "host2 offers 16 MB for training" in line and "--precision bf16" in line, line
+        assert "host2 offers 12 MB for training" in line and "--precision bf16" in line, line
         assert not any((tmp_path / "cluster").glob("host*/jobs/*"))  # nothing started
     finally:
         cluster.close()
@@ -191,7 +191,8 @@ def test_the_offloaded_global_model_is_built_one_fragments_values_at_a_time():
     global_model = strategy.global_params(None)
     mx.eval(global_model)
     assert mx.get_peak_memory() - base < fp32 / 2 + 3 * fp32 / 8, (mx.get_peak_memory() - base, fp32)
-    assert mx.get_active_memory() - base == sum(v.nbytes for _, v in tree_flatten(global_model))  # nothing else kept
+    kept = mx.get_active_memory() - base - sum(v.nbytes for _, v in tree_flatten(global_model))
+    assert kept < 64_000, kept  # nothing else (the placeholders' zeros evaluated would be 262 KB)
 
 
 def test_a_sync_handed_the_parameters_frees_each_old_value_as_its_new_one_lands():
@@ -217,3 +218,18 @@ def test_a_sync_handed_the_parameters_frees_each_old_value_as_its_new_one_lands(
     peak(1, hand_over=True)  # the first outer step creates the outer momentum
     held, handed = peak(2, hand_over=False), peak(3, hand_over=True)
     assert handed < held - 0.8 * W, (held, handed, W)
+
+
+def test_offload_folders_of_processes_killed_outright_are_removed(tmp_path, monkeypatch):
+    """An agent kills a stalled worker with SIGKILL, which leaves its offloaded outer state behind
+    (8.8 GB for llama-1b): the next offloading process removes the folders of dead processes."""
+    import tempfile
+    from mlx_diloco.strategies.fragments import offload_folder
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / f"mlx-diloco-outer-{dead.pid}-abc").mkdir()
+    (tmp_path / f"mlx-diloco-outer-{os.getpid()}-def").mkdir()  # a live process's
+    mine = offload_folder()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"mlx-diloco-outer-{os.getpid()}-def",
+                                                                  os.path.basename(mine.name)])

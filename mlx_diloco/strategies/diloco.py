@@ -9,7 +9,6 @@ the local models with weight alpha on the local values (fragments.py holds the m
 pre-trained model; the outer schedule then counts from K.
 """
 
-import tempfile
 from dataclasses import dataclass
 
 import mlx.optimizers as optim
@@ -18,7 +17,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..exchange.codecs import get_codec
 from ..exchange.comm import placeholders
 from .base import Strategy, mean_gradients, option
-from .fragments import Fragment, gather, global_tree, partition
+from .fragments import Fragment, gather, global_tree, offload_folder, partition
 
 
 @dataclass
@@ -74,7 +73,7 @@ class DiLoCo(Strategy):
         self.template = placeholders(params)
         flat = {k: v[None] for k, v in tree_flatten(params)}
         # Scratch files for the offloaded outer state, removed with the strategy.
-        self.offload_dir = tempfile.TemporaryDirectory(prefix="mlx-diloco-outer-") if self.offload_outer else None
+        self.offload_dir = offload_folder() if self.offload_outer else None
         self.parts = [  # one Fragment (its global values, outer state, exchange) per part of the model
             Fragment(p, pieces, gather(flat, pieces)[0], self.outer_optimizer(), H, offset=H * (p + 1) // P % H,
                      delay=self.overlap_steps, alpha=self.alpha, codec=get_codec(self.compress),

@@ -12,7 +12,11 @@ its values form one flat buffer: one exchange per sync, and elementwise outer op
 it as they would on the tree.
 """
 
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.optimizers as optim
@@ -81,6 +85,20 @@ def scatter(flat_params: dict, pieces: list, values: mx.array) -> dict:
             out[p.path] = mx.concatenate([flat[:, :p.start], part, flat[:, p.stop:]], axis=1).reshape(old.shape)
         offset += size
     return out
+
+
+def offload_folder() -> tempfile.TemporaryDirectory:
+    """A scratch folder for offloaded outer state, removed with the strategy. A process killed
+    outright (an agent kills a stalled worker with SIGKILL) cannot remove its own, and a 1B
+    model's is 8.8 GB: the folders of processes that no longer run are removed here first."""
+    for old in Path(tempfile.gettempdir()).glob("mlx-diloco-outer-*-*"):
+        try:
+            os.kill(int(old.name.split("-")[3]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(old, ignore_errors=True)
+        except (ValueError, PermissionError):  # not ours, or another user's live process
+            pass
+    return tempfile.TemporaryDirectory(prefix=f"mlx-diloco-outer-{os.getpid()}-")
 
 
 class OuterStore:
