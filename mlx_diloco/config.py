@@ -79,7 +79,7 @@ class TrainConfig:
     # Memory (issue 11): what the replicas are stored and computed in
     precision: str = "fp32"         # fp32, or bf16: weights, activations, gradients (models/precision.py)
     moments_precision: str = "fp32"  # AdamW's moments: fp32, or bf16 (half their memory)
-    grad_checkpoint: bool = False   # recompute each block's activations in the backward pass (mx.checkpoint)
+    grad_checkpoint: bool = False   # recompute each block's activations in the backward pass (models/checkpointing.py)
     memory_limit: float = 0.0       # GB per process that MLX keeps to (0: MLX's default); see training/run.py
 
     @classmethod
