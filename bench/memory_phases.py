@@ -34,6 +34,10 @@ def main():
     from mlx_diloco.training.workers import Workers
     depth = [0]
 
+    def report(name, started, indent):
+        print(f"{'  ' * indent}{name:16} peak {mx.get_peak_memory() / 1e9:5.2f} GB, active after "
+              f"{mx.get_active_memory() / 1e9:5.2f} GB, {time.time() - started:4.0f} s", flush=True)
+
     def measured(cls, name):
         method = getattr(cls, name)
 
@@ -45,8 +49,7 @@ def main():
             try:
                 return method(*args, **kwargs)
             finally:
-                print(f"{'  ' * depth[0]}{name:16} peak {mx.get_peak_memory() / 1e9:5.2f} GB, active after "
-                      f"{mx.get_active_memory() / 1e9:5.2f} GB, {time.time() - t:4.0f} s", flush=True)
+                report(name, t, depth[0])
                 depth[0] -= 1
         setattr(cls, name, run)
 
@@ -70,8 +73,7 @@ def main():
         return take_params(self)
 
     def sync_ended(self):
-        print(f"  {'sync':16} peak {mx.get_peak_memory() / 1e9:5.2f} GB, active after "
-              f"{mx.get_active_memory() / 1e9:5.2f} GB, {time.time() - started.pop():4.0f} s", flush=True)
+        report("sync", started.pop(), 1)
         return account_exchanges(self)
     Workers.take_params, Run._account_exchanges = sync_starts, sync_ended
     print(f"{model} {precision} {' '.join(extra)}: after setup active {mx.get_active_memory() / 1e9:.2f} GB, "
