@@ -10,6 +10,9 @@
    alpha = 0.5) with each codec, and int2 with error feedback. Final eval loss of the global model,
    its ratio to plain DiLoCo fp32 against the issue's targets, bytes sent per worker and the largest
    single exchange; streaming.png with every curve. About 7 minutes per run on a 2-core CPU.
+3. Rounding: the same streaming runs for int4, e3m0 and int2 with each rounding named
+   (codec-nearest, codec-stochastic; the plain codec name is the default rounding), e.g.
+   --only streaming-e3m0-nearest,streaming-e3m0-stochastic.
 """
 
 import argparse
@@ -75,6 +78,8 @@ def main():
     runs = {"diloco-fp32": dict(compress="fp32")}
     runs.update({f"streaming-{c}": dict(streaming, compress=c) for c in CODECS if c != "bf16"})
     runs["streaming-int2+ef"] = dict(streaming, compress="int2", error_feedback=True)
+    for c in ("int4", "e3m0", "int2"):
+        runs.update({f"streaming-{c}-{r}": dict(streaming, compress=f"{c}-{r}") for r in ("nearest", "stochastic")})
     if args.only:
         runs = {name: runs[name] for name in args.only.split(",")}
     results = {}
@@ -92,7 +97,7 @@ def main():
     for name, s in results.items():
         rel = s["final_eval_loss"] / base["final_eval_loss"] - 1
         codec = name.split("-", 1)[1]
-        target = TARGETS.get(codec)
+        target = TARGETS.get(codec.removesuffix("-nearest").removesuffix("-stochastic"))
         verdict = "" if target is None else f"{'met' if rel <= target else 'NOT met'} ({target:.1%})"
         print(f"{name:20} {s['final_eval_loss']:>9.4f} {rel:>+13.2%} {verdict:>8} "
               f"{s['bytes_sent_per_worker'] / 1e6:>9.2f} MB {s['peak_exchange_bytes'] / base['peak_exchange_bytes']:>12.3f} x plain")

@@ -1,11 +1,16 @@
 """The DiLoCo algebra: Nesterov outer step, FedAvg = mean, H=1 DiLoCo = DDP with SGD."""
 
+import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_map
+import pytest
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from conftest import tiny_config
+from mlx_diloco.config import ConfigError
 from mlx_diloco.exchange.comm import SimCommunicator
+from mlx_diloco.strategies.fragments import Fragment
+from mlx_diloco.training import checkpoint
 from mlx_diloco.training.run import Run
 
 
@@ -87,6 +92,45 @@ def test_ddp_keeps_replicas_identical(tmp_path):
 def test_pseudo_gradient_bytes_are_accounted(tmp_path):
     run = make_run(tmp_path, "r", workers=4, sync_every=2, steps=4, compress="fp16")
     run.train()
-    # two outer steps, fp16 payload, ring all-reduce sends 2 (M-1)/M of it
+    # two outer steps, fp16 payload, ring all-reduce sends 2 (M-1)/M of it, after the all-gather of
+    # every worker's largest value and non-finite count (two float32 each)
     payload = run.n_params * 2
-    assert run.bytes_sent == 2 * int(2 * 3 / 4 * payload)
+    assert run.bytes_sent == 2 * (int(2 * 3 / 4 * payload) + 3 * 8)
+
+
+def test_a_short_last_round_lands_on_the_workers_mean(tmp_path):
+    """Issue 20: with steps = 10 and H = 4 the last round has 2 steps; an outer step with the
+    momentum of full rounds would carry the global model past the workers, so it becomes their
+    mean, and the outer momentum is left as the last full round made it."""
+    run = make_run(tmp_path, "r", strategy="diloco", compress="fp32", steps=10, outer_lr=0.7, outer_momentum=0.9)
+    fragment = run.strategy.parts[0]
+    for step in range(1, 11):
+        run.step = step
+        run.workers.step(*run.next_batch(), run.strategy, step)
+        if step == 10:
+            local, momentum = flat(run.workers.params), np.array(fragment.store.outer_state["p"]["v"])
+        run.workers.params = run.strategy.after_step(run.workers.params, step)
+    assert_trees_close(run.strategy.global_params(None), {k: v.mean(axis=0) for k, v in local.items()},
+                       rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.array(fragment.store.outer_state["p"]["v"]), momentum)
+
+
+def test_each_fragment_knows_the_length_of_its_round():
+    f = Fragment(0, [], mx.zeros((4,)), optim.SGD(learning_rate=1.0), sync_every=4, offset=2, delay=0, alpha=0.0,
+                 codec=None, error_feedback=False, n_local=1)
+    assert [f.round_length(t) for t in range(1, 11)] == [1, 2, 1, 2, 3, 4, 1, 2, 3, 4]  # sends at 2, 6, 10
+
+
+def test_a_worker_with_nan_stops_the_run_before_the_global_model_and_its_checkpoint(tmp_path):
+    run = make_run(tmp_path, "r", workers=3, steps=12)
+    run.train(stop_after=4)  # synced and checkpointed at step 4
+    before = flat(run.strategy.global_params(None))
+    poisoned = [(k, mx.where(mx.arange(3).reshape(3, *[1] * (v.ndim - 1)) == 1, float("nan"), v) if i == 0 else v)
+                for i, (k, v) in enumerate(tree_flatten(run.workers.params))]
+    run.workers.params = tree_unflatten(poisoned)
+    with pytest.raises(ConfigError, match=r"step 8: worker 1 sent non-finite values .* last checkpoint \(step 4\) is intact"):
+        run.train()
+    assert checkpoint.latest_step(tmp_path / "r") == 4
+    after = flat(run.strategy.global_params(None))
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k], err_msg=k)

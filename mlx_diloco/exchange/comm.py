@@ -17,6 +17,12 @@ a codec (codecs.py), and reduced by the cheapest algorithm that codec allows:
                                         decoding, adding in fp32 and re-encoding its chunk
                                         (as PCCL does): sends 2(M-1)/M payloads
 
+Before every exchange the workers all-gather two float32 numbers each (CHECK_BYTES, counted in
+the bytes sent): their largest magnitude, from which the summed codecs take the unit every
+worker divides by (codecs.py), and their count of non-finite values. A NaN or an inf never
+reaches the mean: when the exchange is waited on, every worker of the job raises
+NonFiniteValues naming the same workers (peers on a ring stop together; none waits on another).
+
 Exchanges start asynchronously on their own stream (so Streaming DiLoCo can overlap them with
 inner steps); every wait on one is counted (and, on a cluster, watched), and every exchange is
 recorded with the bytes one worker really sends.
@@ -29,7 +35,16 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from .codecs import Codec, get_codec
+from .codecs import CHECK_BYTES, Codec, get_codec, largest_magnitude, unit_of
+
+
+class NonFiniteValues(RuntimeError):
+    """Some workers' values held NaN or inf; `workers` (job-wide indices) and the exchange's `tag`."""
+
+    def __init__(self, workers, tag: str):
+        self.workers, self.tag = sorted(workers), tag
+        who = f"worker {self.workers[0]}" if len(self.workers) == 1 else f"workers {', '.join(map(str, self.workers))}"
+        super().__init__(f"{who} sent non-finite values (NaN or inf)" + (f" in {tag}" if tag else ""))
 
 
 def stack_copies(tree, n: int):
@@ -71,13 +86,17 @@ def unflatten(buffer, shapes):
 
 def exchange_plan(codec: Codec, length: int, workers: int):
     """(algorithm, hops, payload bytes, bytes one worker sends) of a mean over `workers` of
-    `length` values in `codec`: the cheapest algorithm the codec allows (module docstring)."""
+    `length` values in `codec`: the cheapest algorithm the codec allows (module docstring), after
+    the check's all-gather (M - 1 hops of CHECK_BYTES)."""
     M, payload = workers, codec.wire_bytes(length)
+    check_hops, check_sent = M - 1, (M - 1) * CHECK_BYTES
     if codec.summable or M == 1:
-        return "all_reduce", 2 * (M - 1), payload, 2 * (M - 1) * payload // M
+        payload -= codec.unit_bytes  # the unit is shared through the check, not sent
+        return "all_reduce", 2 * (M - 1) + check_hops, payload, 2 * (M - 1) * payload // M + check_sent
     if M == 2:
-        return "all_gather", M - 1, payload, (M - 1) * payload
-    return "quantized_ring", 2 * (M - 1), payload, 2 * (M - 1) * codec.wire_bytes(-(-length // M))
+        return "all_gather", M - 1 + check_hops, payload, (M - 1) * payload + check_sent
+    chunk = codec.wire_bytes(-(-length // M))
+    return "quantized_ring", 2 * (M - 1) + check_hops, payload, 2 * (M - 1) * chunk + check_sent
 
 
 def pack(wire: dict) -> mx.array:
@@ -111,17 +130,24 @@ class CollectiveRecord:
 
 
 class Pending:
-    """An exchange that has been started; `result()` waits for it and returns the mean."""
+    """An exchange that has been started; `result()` waits for it and returns the mean, or raises
+    NonFiniteValues if any worker's values were not finite. `lost` (when asked for): what the
+    whole exchange lost of each local worker's part, (n_local, L), once `result()` has returned."""
 
-    def __init__(self, comm: "Communicator", out, record: CollectiveRecord, finish):
+    def __init__(self, comm: "Communicator", out, record: CollectiveRecord, finish, check=None, lost=None):
         self._comm, self._out, self.record, self._finish = comm, out, record, finish
+        self._check, self.lost = check, lost
         with comm._blocked(record):  # on the CPU stream, starting an exchange can block too
-            mx.async_eval(out)
+            mx.async_eval(out, *[a for a in (check, lost) if a is not None])
 
     def result(self):
         with self._comm._blocked(self.record):
-            mx.eval(self._out)
+            mx.eval(self._out, *[a for a in (self._check, self.lost) if a is not None])
         self.record.done = True
+        if self._check is not None:
+            bad = [w for w, count in enumerate(self._check[:, 1].tolist()) if count > 0]
+            if bad:
+                raise NonFiniteValues(bad, self.record.tag)
         return self._finish(self._out)
 
 
@@ -180,70 +206,110 @@ class Communicator:
         buffer, shapes = flatten_workers(tree)
         return self.start_mean(buffer, codec, tag, shapes=shapes)
 
-    def start_mean(self, buffer: mx.array, codec="fp32", tag: str = "", shapes=None) -> Pending:
+    def start_mean(self, buffer: mx.array, codec="fp32", tag: str = "", shapes=None,
+                   feedback: bool = False) -> Pending:
         """Start the mean over all workers of an (n_local, L) float32 buffer; the result is (L,),
-        or the tree `shapes` describes (see flatten_workers)."""
+        or the tree `shapes` describes (see flatten_workers). With `feedback`, the Pending's `lost`
+        is what compression took from each local worker's part of the mean, over the whole
+        exchange: adding it to the worker's next buffer is error feedback."""
         codec = get_codec(codec) if isinstance(codec, str) else codec
         mx.eval(buffer)  # inputs are ready before the exchange starts: waits then measure only the exchange
         L = buffer.shape[1]
         algorithm, hops, payload, sent = exchange_plan(codec, L, self.num_workers)
         run = {"all_reduce": self._summed, "all_gather": self._gathered, "quantized_ring": self._quantized_ring}
         with mx.stream(self.stream):
-            out = run[algorithm](buffer, codec)
+            check = self._check([buffer])
+            out, lost = run[algorithm](mx.depends(buffer, check), codec, check, feedback)
         record = CollectiveRecord(algorithm, codec.name, payload, sent, hops, tag)
         self.records.append(record)
-        return Pending(self, out, record, finish=lambda out: out[:L] if shapes is None else unflatten(out[:L], shapes))
+        return Pending(self, out, record, finish=lambda out: out[:L] if shapes is None else unflatten(out[:L], shapes),
+                       check=check, lost=lost)
 
-    # ---- the three algorithms
-    def _summed(self, buffer, codec):
-        # MLX's ring adds fp16/bf16 in that dtype: scale by 1/M before the sum, not after.
-        wire = codec.encode(buffer / self.num_workers)["values"]
-        return self._sum_workers(wire).astype(mx.float32)
+    def _check(self, arrays: list) -> mx.array:
+        """(num_workers, 2) float32: every worker's largest finite magnitude and count of
+        non-finite values over `arrays` (each (n_local, ...)), all-gathered (CHECK_BYTES each)."""
+        n = self.n_local
+        values = mx.concatenate([a.reshape(n, -1).astype(mx.float32) for a in arrays], axis=1)
+        non_finite = mx.sum(~mx.isfinite(values), axis=1, keepdims=True).astype(mx.float32)
+        return self._gather_workers(mx.concatenate([largest_magnitude(values), non_finite], axis=1))
 
-    def _gathered(self, buffer, codec):
-        wire = codec.encode(buffer)
+    # ---- the three algorithms: each returns the mean (L',) and, with feedback, what it lost (n_local, L)
+    def _summed(self, buffer, codec, check, feedback):
+        # MLX's ring adds fp16/bf16 in that dtype: scale by 1/M before the sum, not after, and divide
+        # by a unit every worker shares (from the check's largest magnitude): the sum stays in range.
+        M, L = self.num_workers, buffer.shape[1]
+        shared = {}
+        if codec.unit_bytes:
+            shared["unit"] = mx.broadcast_to(unit_of(mx.max(check[:, 0])), (self.n_local, 1))
+        wire = codec.encode(buffer / M, **shared)
+        total = self._sum_workers(wire["values"])[None]
+        out = codec.decode({**wire, "values": total, **{k: v[:1] for k, v in shared.items()}}, L)[0]
+        return out, (buffer - M * codec.decode(wire, L)) if feedback else None
+
+    def _gathered(self, buffer, codec, check, feedback):
+        me = mx.array(self.local_workers)
+        wire = codec.encode(buffer, salt=me)
         gathered = unpack(self._gather_workers(pack(wire)), wire)
-        return codec.decode(gathered, buffer.shape[1]).sum(axis=0) / self.num_workers
+        out = codec.decode(gathered, buffer.shape[1]).sum(axis=0) / self.num_workers
+        return out, (buffer - codec.decode(wire, buffer.shape[1])) if feedback else None
 
-    def _quantized_ring(self, buffer, codec: Codec):
+    def _quantized_ring(self, buffer, codec: Codec, check, feedback):
         """Reduce-scatter then all-gather around the ring, M chunks. At reduce-scatter hop s,
         worker w sends its running sum of chunk (w - s) mod M and adds its own values to the
         chunk it receives; after M - 1 hops it holds the full sum of chunk (w + 1) mod M, encoded,
-        which then travels M - 1 hops so that every worker decodes the same bytes."""
+        which then travels M - 1 hops so that every worker decodes the same bytes.
+
+        Each worker encodes every chunk once (its own values first, then each running sum it
+        passes on, the last one the full sum): the mean lacks the sum of those M encoding errors
+        over the workers, so each worker's `lost` is its own, chunk by chunk."""
         M, L = self.num_workers, buffer.shape[1]
         C = -(-L // M)
         chunks = mx.pad(buffer, [(0, 0), (0, M * C - L)]).reshape(self.n_local, M, C)
         me = mx.array(self.local_workers)
+        lost = mx.zeros((self.n_local, M, C)) if feedback else None
 
         def chunk(index):  # each local worker's chunk number index[w]: (n_local, C)
             return mx.take_along_axis(chunks, index[:, None, None], axis=1)[:, 0]
 
+        def place(index, values, into):  # `into` (n_local, M, C) with chunk index[w] of row w replaced
+            placed = (mx.arange(M)[None, :] == index[:, None])[..., None]
+            return mx.where(placed, values[:, None, :], into)
+
+        def encode(values, index):  # this worker's running sum of chunk `index`, noting what encoding loses
+            nonlocal lost
+            wire = codec.encode(values, salt=me)
+            if feedback:
+                lost = place(index, values - codec.decode(wire, C), lost)
+            return wire
+
         def shift(wire):
             return unpack(self._shift(pack(wire)), wire)
 
-        wire = codec.encode(chunk(me % M))
+        wire = encode(chunk(me % M), me % M)
         for s in range(M - 1):
-            wire = codec.encode(codec.decode(shift(wire), C) + chunk((me - 1 - s) % M))
+            index = (me - 1 - s) % M
+            wire = encode(codec.decode(shift(wire), C) + chunk(index), index)
         out = mx.zeros((self.n_local, M, C))
         for s in range(M):
-            owned = (me + 1 - s) % M   # the chunk whose full sum this worker holds now
-            placed = (mx.arange(M)[None, :] == owned[:, None])[..., None]
-            out = mx.where(placed, codec.decode(wire, C)[:, None, :], out)
+            out = place((me + 1 - s) % M, codec.decode(wire, C), out)  # the chunk whose full sum it holds now
             if s < M - 1:
                 wire = shift(wire)
         # Every worker holds the same values: the mean of the job, without the worker axis.
-        return out[0].reshape(-1) / M
+        return out[0].reshape(-1) / M, lost.reshape(self.n_local, -1)[:, :L] if feedback else None
 
     def all_gather(self, wire: dict, tag: str = "") -> dict:
         """Every worker's arrays, for what cannot be summed (e.g. DeMo's top-k indices and values):
-        {name: (n_local, ...)} -> {name: (num_workers, ...)}, sent as one message."""
+        {name: (n_local, ...)} -> {name: (num_workers, ...)}, sent as one message, after the check
+        of their floating-point values."""
         M, payload = self.num_workers, sum(v[0].nbytes for v in wire.values())
-        record = CollectiveRecord("all_gather", "raw", payload, (M - 1) * payload, M - 1, tag)
+        record = CollectiveRecord("all_gather", "raw", payload, (M - 1) * (payload + CHECK_BYTES), 2 * (M - 1), tag)
         self.records.append(record)
         mx.eval(wire)
+        floats = [v for v in wire.values() if mx.issubdtype(v.dtype, mx.floating)]
         with mx.stream(self.stream):
-            out = unpack(self._gather_workers(pack(wire)), wire)
-        return Pending(self, out, record, finish=lambda out: out).result()
+            check = self._check(floats or [mx.zeros((self.n_local, 1))])
+            out = unpack(self._gather_workers(mx.depends(pack(wire), check)), wire)
+        return Pending(self, out, record, finish=lambda out: out, check=check).result()
 
     def gather_metric(self, values: mx.array) -> list:
         """Every worker's value of a per-worker measurement (e.g. its eval loss): (n_local,) -> a list

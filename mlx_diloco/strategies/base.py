@@ -36,7 +36,7 @@ def option(default, help: str, **kwargs):
 def lr_schedule(config, peak: float = None):
     """Linear warmup to `peak` (default: the config's lr), then cosine decay to a tenth of it."""
     peak = config.lr if peak is None else peak
-    warmup = min(config.warmup, config.steps - 1)
+    warmup = min(config.warmup_steps(), config.steps - 1)
     cosine = optim.cosine_decay(peak, max(config.steps - warmup, 1), end=peak * 0.1)
     return optim.join_schedules([optim.linear_schedule(0.0, peak, warmup), cosine], [warmup]) \
         if warmup > 0 else cosine
@@ -89,7 +89,7 @@ class Strategy:
 
     def __post_init__(self):
         for f in fields(self):
-            setattr(self, f.name, checked_value(f.name, getattr(self, f.name), f.type))
+            setattr(self, f.name, checked_value(f.name, getattr(self, f.name), f.type, f.default))
         self.check()
 
     def check(self):

@@ -104,7 +104,7 @@ class DiLoCo(Strategy):
                 if f.pending is not None:
                     flat = f.perform_sync(flat)
                 f.prepare_sync(flat, self.comm, step, self.sync_weights)
-                flat = f.perform_sync(flat, final=True)
+                flat = f.perform_sync(flat, final=True, short_round=f.round_length(step - K) < self.sync_every)
         else:
             for f in self.parts:   # every worker starts the fragments' exchanges in the same order
                 if f.is_send_step(step - K):

@@ -178,32 +178,47 @@ class Fragment:
     def is_send_step(self, step: int) -> bool:
         return (step - self.offset) % self.sync_every == 0
 
+    def round_length(self, step: int) -> int:
+        """Inner steps since this fragment last sent (or since the start), as of `step`."""
+        return (step - self.offset - 1) % self.sync_every + 1 if step > self.offset else step
+
     def prepare_sync(self, flat_params: dict, comm, step: int, weights=None):
         """Start exchanging the pseudo-gradient  global - local  (plus what compression lost last
         time); `weights`, one per local worker, scale what each sends (the mean becomes weighted)."""
         delta = self.global_values[None] - gather(flat_params, self.pieces)
         if weights is not None:
             delta = delta * mx.array(weights)[:, None]
-        if self.error is not None:
+        if self.error is not None:  # what the last exchange lost of this worker's part (comm.py's `lost`)
             delta = delta + self.error
-            self.error = delta - self.codec.roundtrip(delta)  # what this worker's message will lack
-            mx.eval(self.error)
         self._start(delta, comm, apply_at=step + self.delay)
 
     def _start(self, delta, comm, apply_at: int):
         self.sent, self.apply_at = delta, apply_at  # kept until it lands: a checkpoint can restart it
-        self.pending = comm.start_mean(delta, self.codec, tag=f"fragment {self.index}")
+        self.pending = comm.start_mean(delta, self.codec, tag=f"fragment {self.index}", feedback=self.error is not None)
         self.pending.record.overlap_steps = self.delay
 
-    def perform_sync(self, flat_params: dict, final: bool = False) -> dict:
+    def perform_sync(self, flat_params: dict, final: bool = False, short_round: bool = False) -> dict:
         """Wait for the exchange, take the outer step, merge into every local worker (at the end of
-        a run every worker takes the global values as they are)."""
+        a run every worker takes the global values as they are).
+
+        `short_round`: the run's last round was shorter than H. Its pseudo-gradient is a fraction of
+        a full round's, but the outer step's momentum is that of full rounds: it would step on past
+        the workers (measured: eval loss 5.3833 against workers at 5.352-5.354 with H = 30 and a
+        10-step last round; 5.3595 against 5.288-5.295 with H = 50 and 20). The global values become
+        the workers' mean instead (5.3519 and 5.2880), and the outer state is left as it is."""
         mean_delta = self.pending.result()
+        if self.error is not None:  # replaced when the exchange lands: until then a checkpoint keeps the one it sent
+            self.error = self.pending.lost
         self.pending, self.apply_at, self.sent = None, None, None
-        self.outer.state = self.store.outer_state
-        global_values = self.outer.apply_gradients({"p": mean_delta}, {"p": self.store.global_values})["p"]
-        mx.eval(global_values, self.outer.state)
-        self.store.global_values, self.store.outer_state = global_values, self.outer.state
+        if short_round:  # a last round shorter than H: the workers' mean (an outer step would overshoot)
+            global_values = self.store.global_values - mean_delta
+            mx.eval(global_values)
+            self.store.global_values = global_values
+        else:
+            self.outer.state = self.store.outer_state
+            global_values = self.outer.apply_gradients({"p": mean_delta}, {"p": self.store.global_values})["p"]
+            mx.eval(global_values, self.outer.state)
+            self.store.global_values, self.store.outer_state = global_values, self.outer.state
         merged = global_values[None]
         if self.alpha > 0 and not final:
             merged = self.alpha * gather(flat_params, self.pieces) + (1 - self.alpha) * merged

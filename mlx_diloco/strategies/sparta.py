@@ -26,8 +26,11 @@ class SPARTA(Strategy):
     def indices(self, size: int, step: int) -> mx.array:
         if self.fraction >= 1:
             return mx.arange(size)
+        # Without replacement: exactly round(p * size) distinct parameters (at least one), sorted
+        # so that the gather reads memory in order.
         rng = np.random.default_rng([self.index_seed, step])
-        return mx.array(np.unique(rng.integers(0, size, max(1, round(self.fraction * size)))))
+        count = max(1, round(self.fraction * size))
+        return mx.array(np.sort(rng.choice(size, count, replace=False)))
 
     def after_step(self, params, step):
         if self.fraction == 0:

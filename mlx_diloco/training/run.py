@@ -21,8 +21,8 @@ from tqdm import tqdm
 from ..atomic import atomic_write_text
 from ..config import DEFAULT_MAX_SEQ_LEN, ConfigError, TrainConfig
 from ..data.datasets import (EMBEDDED, FASHION_MNIST, BatchStream, ShardSampler, is_fashion_mnist_folder,
-                             load_shard, prepare)
-from ..exchange.comm import Communicator
+                             load_shard, oversized_batch, prepare)
+from ..exchange.comm import Communicator, NonFiniteValues
 from ..exchange.network import exchange_time, parse_link
 from ..models.checkpointing import checkpoint_blocks
 from ..models.precision import to_bf16
@@ -30,7 +30,7 @@ from ..models.zoo import build_model, count_parameters, import_builder, load_spe
 from . import checkpoint
 from .metrics import MetricsLog, human_bytes
 from .speeds import Speeds
-from .workers import Workers
+from .workers import Workers, check_loss
 
 
 def saved_config(run_dir: Path) -> TrainConfig:
@@ -163,8 +163,7 @@ class Run:
         self.speeds = Speeds.of(config)
         # Time-paced without given speeds (a real cluster): measured over the first round.
         self.measure_speeds = config.speed_policy == "time" and self.speeds is None and config.workers > 1
-        if config.speed_policy == "time":
-            self._check_time_policy()
+        config.check_strategy(self.strategy)  # e.g. speed-policy time with a strategy it fits
         if self.speeds and self.speeds.policy == "time":
             self._pace_by_time()
         self.strategy.setup(model.trainable_parameters())
@@ -183,7 +182,12 @@ class Run:
         else:
             self.samplers = [ShardSampler(len(self.data.train), w, place.num_shards or config.workers, config.seed,
                                           is_shard=self.data.is_shard) for w in self.data_workers]
+        if reporter and not resume and (note := oversized_batch(config.batch_size, self.samplers)):
+            log(note)
         self.eval_batches = self.data.eval_batches(config.batch_size, config.eval_batches)
+        if parts.loss is not None:  # a user's loss, tried on one batch before the run folder exists
+            with memory_limit(config.memory_limit):
+                check_loss(parts.loss, model, *self.eval_batches[0])
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.exchanges = MetricsLog(self.run_dir / "exchanges.jsonl")
         self.step = 0
@@ -202,22 +206,11 @@ class Run:
             if self.data.tokenizer_dir:
                 shutil.copytree(self.data.tokenizer_dir, self.run_dir / "tokenizer", dirs_exist_ok=True)
 
-    def _check_time_policy(self):
-        s = self.strategy
-        if not s.steps_can_differ or getattr(s, "ddp_warmup_steps", 0):
-            raise ConfigError(f"speed-policy time needs a strategy that exchanges only at its syncs "
-                              f"(diloco, fedavg, muloco; no ddp-warmup-steps), not {s.name}; use --speed-policy fixed")
-
     def _pace_by_time(self):
         """Workers take the steps that fit a round (training/speeds.py): weigh each worker's
         pseudo-gradient by the tokens it processed."""
         s, H = self.strategy, self.strategy.sync_every
-        steps = self.speeds.steps_taken(H)
-        if min(steps) == 0:
-            slow = steps.index(0)
-            raise ConfigError(f"worker {slow} (speed {self.speeds.speeds[slow]:g}) takes no step in a round of "
-                              f"H = {H} ticks; raise --sync-every or its speed")
-        weights = self.speeds.sync_weights(H)
+        weights = self.speeds.sync_weights(H)  # every worker steps in a round: config.check_strategy
         s.sync_weights = [weights[w] for w in self.comm.local_workers]
 
     def _measure_speeds(self):
@@ -231,11 +224,16 @@ class Run:
         self._pace_by_time()
         self.log(f"measured worker speeds: {', '.join(f'{s:g}' for s in speeds)}; each takes the steps that fit a round")
 
-    def tokens(self) -> int:
-        """Tokens (examples, for non-text data) the workers have trained on so far."""
+    def examples(self) -> int:
+        """Examples (sequences, images, rows) the workers have trained on so far."""
         c = self.config
         steps = self.speeds.steps_taken(self.step) if self.speeds else [self.step] * c.workers
-        return sum(steps) * c.batch_size * max(c.seq_len, 1)
+        return sum(steps) * c.batch_size
+
+    def tokens(self):
+        """Tokens the workers have trained on so far; None when the examples are not tokens."""
+        per_example = self.data.tokens_per_example()
+        return None if per_example is None else self.examples() * per_example
 
     # ------------------------------------------------------------ the loop
     def next_batch(self):
@@ -256,7 +254,8 @@ class Run:
             self.evaluate(None, self.workers.eval_each(self.eval_batches))
         bar = tqdm(total=c.steps, initial=self.step, disable=not self.reporter, file=sys.stderr,
                    desc=f"{c.strategy} x{c.workers}", dynamic_ncols=True)
-        loss_sum, loss_count, tokens_per_step = 0, 0, c.batch_size * max(c.seq_len, 1) * self.comm.n_local
+        loss_sum, loss_count = 0, 0
+        tokens_per_step = c.batch_size * (self.data.tokens_per_example() or 1) * self.comm.n_local  # or examples
         step_s = dt = 0.0  # (until this process's workers take a step: a slow one may wait at first)
         while self.step < c.steps:
             x, y = self.next_batch()
@@ -264,7 +263,8 @@ class Run:
             active = self._active(self.step + 1)
             stepped = active is None or any(active)  # else this process's workers wait out the tick
             if stepped:
-                losses = self.workers.step(x, y, self.strategy, self.step + 1, active)
+                with self._stop_on_non_finite(self.step + 1):
+                    losses = self.workers.step(x, y, self.strategy, self.step + 1, active)
                 loss_sum, loss_count = loss_sum + losses, loss_count + 1
                 dt = time.perf_counter() - t0
                 step_s = (dt - (self.comm.wait_s - wait0)) / self.comm.n_local  # DDP syncs inside the step
@@ -276,7 +276,8 @@ class Run:
             evaluate = self.step % self.eval_every == 0 or self.step == c.steps
             # The local models are evaluated before the outer step replaces them with the global one.
             worker_losses = self.workers.eval_each(self.eval_batches) if evaluate else None
-            self.workers.params = self.strategy.after_step(self.workers.take_params(), self.step)
+            with self._stop_on_non_finite(self.step):
+                self.workers.params = self.strategy.after_step(self.workers.take_params(), self.step)
             self._account_exchanges()
             if self.place.progress_path and stepped:
                 self._write_progress(losses, tokens_per_step / dt)
@@ -296,6 +297,19 @@ class Run:
         bar.close()
         self.peak_memory = self._peak_memory()  # the last global evaluation and checkpoint included
         return self.summary()
+
+    @contextmanager
+    def _stop_on_non_finite(self, step: int):
+        """A worker that would send NaN or inf stops the run before its values reach any other
+        worker or the global model (the communicator checks every exchange, and every worker
+        learns of it at once); nothing is checkpointed after it, so the last checkpoint is intact."""
+        try:
+            yield
+        except NonFiniteValues as e:
+            last = checkpoint.latest_step(self.checkpoint_dir)
+            kept = f"its last checkpoint (step {last}) is intact" if last else "no checkpoint was written"
+            raise ConfigError(f"step {step}: {e}: training diverged, and the run stops before they reach the "
+                              f"global model ({kept}); lower --lr or --outer-lr, or raise --warmup") from None
 
     def _active(self, tick: int):
         """Which local workers step at this tick; None when all do (training/speeds.py)."""
@@ -349,7 +363,7 @@ class Run:
         idle = sum(f := self.speeds.idle_fraction()) / len(f) if self.speeds else 0.0
         row = {
             "step": self.step, "outer_step": -(-self.step // period) if (period := self.strategy.sync_every) else None,
-            "tokens": self.tokens(),
+            "tokens": self.tokens(), "examples": self.examples(),
             "eval_loss": global_loss, "eval_loss_workers": worker_losses,
             "train_loss": None if train_losses is None else sum(train_losses) / len(train_losses),
             "train_loss_workers": train_losses,
@@ -376,13 +390,16 @@ class Run:
     def summary(self) -> dict:
         rows = MetricsLog.read(self.metrics.path) if self.reporter else []
         last = rows[-1] if rows else {}
+        # the run's peak: the rows from before a resume hold the peaks of the processes before
+        peak = max([int(self.peak_memory * 1e6)] + [r.get("peak_memory_bytes", 0) for r in rows])
         summary = {"run_dir": str(self.run_dir), "strategy": self.config.strategy,
                    "workers": self.config.workers, "steps": self.step, "parameters": self.n_params,
                    "final_eval_loss": last.get("eval_loss"), "tokens": last.get("tokens"),
+                   "examples": last.get("examples"),
                    "bytes_sent_per_worker": self.bytes_sent, "peak_exchange_bytes": self.peak_exchange_bytes,
             "compute_s": self.compute_s,
                    "modelled_comm_s": self.comm_s, "utilisation": last.get("utilisation"),
-                   "link": self.link.describe(), "peak_memory_bytes": int(self.peak_memory * 1e6),
+                   "link": self.link.describe(), "peak_memory_bytes": peak,
                    "workers_per_process": self.comm.n_local}
         if self.reporter:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
