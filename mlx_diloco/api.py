@@ -5,7 +5,8 @@
         strategy=DiLoCo(sync_every=100), workers=4, steps=2000)
     result.model, result.metrics, result.bytes_sent, result.modelled_time("wifi")
 
-`loss_fn(model, x, y)` returns a scalar (the mlx-lm convention). Data is a tuple of arrays
+`loss_fn(model, x, y)` returns a scalar (the mlx-lm convention). The settings default to `sim`'s
+(config.TrainConfig): warmup -1 is a fifth of the run, at most 50 steps. Data is a tuple of arrays
 (inputs, targets) split along the first axis, or an iterable of (x, y) batches. The run is the
 same as `mlx-diloco sim`'s (train.Run): progress, metrics.jsonl, checkpoints and resume.
 
@@ -14,8 +15,10 @@ an mlx-lm model folder or an importable builder 'package.module:function'. Given
 importable `loss_fn` and arrays, `fit` trains in K processes as `sim` does (one per core on a CPU).
 """
 
+import atexit
 import copy
 import json
+import shutil
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -28,10 +31,12 @@ from .data.datasets import ArrayExamples, BatchStream, Dataset
 from .exchange.comm import SimCommunicator, replica
 from .exchange.network import modelled_time, parse_link
 from .models.zoo import build_model, load_spec
+from .strategies import Strategy, make_strategy
 from .training import checkpoint
 from .training.metrics import MetricsLog
 from .training.processes import choose_processes, run_processes
 from .training.run import Parts, Run
+from .training.workers import check_loss
 
 
 def examples(data, what: str, batches: int = None):
@@ -63,6 +68,17 @@ class FitResult:
         return modelled_time(self.summary["compute_s"], self.exchanges, self.step_s, parse_link(link))
 
 
+def as_strategy(strategy) -> Strategy:
+    """`strategy` as given, or made from its name with its defaults ('diloco', as `sim --strategy diloco`)."""
+    if isinstance(strategy, str):
+        return make_strategy(strategy, {})
+    if isinstance(strategy, Strategy):
+        return strategy
+    what = f"the class {strategy.__name__}; write {strategy.__name__}()" if isinstance(strategy, type) \
+        else f"{type(strategy).__name__} {str(strategy)[:40]}"
+    raise ConfigError(f"strategy must be a strategy such as DiLoCo(sync_every=50), or its name 'diloco', not {what}")
+
+
 def importable(fn) -> str:
     """'package.module:function' if a fresh process can import `fn` under that name, else ''."""
     module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
@@ -76,9 +92,12 @@ def importable(fn) -> str:
 
 
 class Trainer:
-    def __init__(self, model, loss_fn, train_data, eval_data=None, batch_size: int = 16, *, lr: float = 1e-3,
-                 warmup: int = 50, weight_decay: float = 0.1, grad_clip: float = 1.0, eval_batches: int = 8,
-                 eval_every: int = 0, seed: int = 0, link: str = "1gbe", run_dir=None, log=print):
+    # The defaults are sim's, from TrainConfig.
+    def __init__(self, model, loss_fn, train_data, eval_data=None, batch_size: int = TrainConfig.batch_size, *,
+                 lr: float = TrainConfig.lr, warmup: int = TrainConfig.warmup,
+                 weight_decay: float = TrainConfig.weight_decay, grad_clip: float = TrainConfig.grad_clip,
+                 eval_batches: int = TrainConfig.eval_batches, eval_every: int = TrainConfig.eval_every,
+                 seed: int = TrainConfig.seed, link: str = TrainConfig.link, run_dir=None, log=print):
         self.model, self.loss_fn, self.run_dir, self.log = model, loss_fn, run_dir, log
         self.said_one_process = False
         self.train = examples(train_data, "train_data")
@@ -87,28 +106,36 @@ class Trainer:
         self.settings = dict(batch_size=batch_size, lr=lr, warmup=warmup, weight_decay=weight_decay,
                              grad_clip=grad_clip, eval_batches=eval_batches, eval_every=eval_every, seed=seed, link=link)
 
-    def fit(self, strategy, workers: int = 4, steps: int = 1000, resume: bool = False, run_dir=None,
-            processes: int = 0) -> FitResult:
-        """Train `workers` simulated replicas for `steps` inner steps each with `strategy`, in `run_dir`
-        (default: the Trainer's run_dir, else a new temporary folder); `resume` continues a run there.
+    def fit(self, strategy, workers: int = TrainConfig.workers, steps: int = TrainConfig.steps,
+            resume: bool = False, run_dir=None, processes: int = 0) -> FitResult:
+        """Train `workers` simulated replicas for `steps` inner steps each with `strategy` (e.g.
+        DiLoCo(sync_every=50), or a name: 'diloco'), in `run_dir` (default: the Trainer's run_dir,
+        else a new temporary folder, removed when Python exits); `resume` continues a run there.
         `processes`: K processes of workers/K replicas (0: as `sim` chooses, where the model can be rebuilt)."""
+        strategy = as_strategy(strategy)
         config = from_dict(TrainConfig, {**self.settings, "workers": workers, "steps": steps, "model": "api",
                                          "data": "api", "strategy": strategy.name}, what="Trainer option")
         config.strategy_options = strategy.options()
         config.check_values()
-        run_dir = Path(run_dir or self.run_dir or tempfile.mkdtemp(prefix=f"mlx-diloco-{strategy.name}-"))
+        config.check_strategy(strategy)
+        # every fit starts from the same initial weights; bad input is found before a run folder exists
+        model = self.built_model(config.seed) if isinstance(self.model, str) else copy.deepcopy(self.model)
+        if self.loss_fn is not None:
+            check_loss(self.loss_fn, model, *self.eval.get(np.arange(min(config.batch_size, len(self.eval)))))
+        if not (run_dir or self.run_dir):  # a folder of our own: it goes when Python exits
+            run_dir = tempfile.mkdtemp(prefix=f"mlx-diloco-{strategy.name}-")
+            atexit.register(shutil.rmtree, run_dir, ignore_errors=True)
+        run_dir = Path(run_dir or self.run_dir)
         K = choose_processes(workers, processes, run_dir, resume)
         if K > 1 and (why := self.why_one_process()):
             if processes or not self.said_one_process:
                 self.log(f"training in one process: {why}")
             self.said_one_process, K = True, 1
         if K > 1:
-            return self.fit_in_processes(config, run_dir, K, resume)
+            return self.fit_in_processes(config, run_dir, K, resume, model)
         if isinstance(self.train, BatchStream):
             self.train = BatchStream(self.train.batches)  # a fresh cursor for every fit
         data = Dataset(self.train, self.eval)
-        # every fit starts from the same initial weights
-        model = self.built_model(config.seed) if isinstance(self.model, str) else copy.deepcopy(self.model)
         parts = Parts(model, data, copy.deepcopy(strategy), loss=self.loss_fn)
         run = Run(config, run_dir, SimCommunicator(workers), resume=resume, log=self.log, parts=parts)
         summary = run.train()
@@ -132,8 +159,9 @@ class Trainer:
             return "the training data is an iterable of batches (give (inputs, targets) arrays)"
         return ""
 
-    def fit_in_processes(self, config: TrainConfig, run_dir: Path, K: int, resume: bool) -> FitResult:
-        """`sim --processes K` on the Trainer's parts: the arrays go to a file in the run folder."""
+    def fit_in_processes(self, config: TrainConfig, run_dir: Path, K: int, resume: bool, model) -> FitResult:
+        """`sim --processes K` on the Trainer's parts: the arrays go to a file in the run folder;
+        `model` (as built here) gets the trained weights."""
         data_file = run_dir / "data.npz"
         if not resume:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -143,7 +171,6 @@ class Trainer:
         config = replace(config, model=self.model, data=str(data_file), loss=loss)
         run_processes(config, run_dir, K, resume=resume, log=self.log)
         state, meta = checkpoint.load(run_dir, log=lambda m: None)
-        model = self.built_model(config.seed)
         model.update(replica(state["workers"]["params"]))  # the replicas end synced
         summary = json.loads((run_dir / "summary.json").read_text())
         return FitResult(model, MetricsLog.read(run_dir), summary["bytes_sent_per_worker"], summary, run_dir,

@@ -20,7 +20,7 @@ HELP = {
     "strategy": "training strategy: {strategies}",
     "steps": "inner steps per worker",
     "lr": "peak inner learning rate",
-    "warmup": "linear warmup steps before the cosine decay",
+    "warmup": "linear warmup steps before the cosine decay (-1: a fifth of the steps, at most 50)",
     "weight_decay": "inner weight decay",
     "beta1": "inner AdamW beta1",
     "beta2": "inner AdamW beta2",
@@ -96,8 +96,9 @@ def cmd_sim(args):
     print_summary(simulate(config, run_dir, args.processes, args.resume, log=lambda m: print(m, file=sys.stderr)))
     from .models.zoo import load_spec
     if load_spec(config.model).is_language_model and args.sample_tokens:
-        from .generate import generate
-        print("\nsample:\n" + args.prompt + "".join(generate(run_dir, args.prompt, args.sample_tokens)))
+        from .generate import default_prompt, generate
+        prompt = default_prompt(run_dir) if args.prompt is None else args.prompt
+        print("\nsample:\n" + prompt + "".join(generate(run_dir, prompt, args.sample_tokens)))
 
 
 def cmd_gym_list(args):
@@ -161,10 +162,21 @@ def cmd_worker(args):
                       checkpoint_dir=run_dir if args.own_run_dir else None,
                       progress_path=args.progress, resume_step=args.resume_step)
     run = Run(config, run_dir, comm, reporter=rank == 0, resume=args.resume_step is not None,
-              log=lambda m: print(m, file=sys.stderr), place=place)
+              log=worker_log(args.simulated), place=place)
     summary = run.train()
-    if rank == 0:
+    if rank == 0 and not args.simulated:
         print_summary(summary)
+
+
+def worker_log(simulated: bool):
+    """Log lines to stderr; a process of `sim` leaves what reading the data says to sim, which
+    read it first (else a warning about the data shows twice)."""
+    from .data.datasets import TEXT_NOTICES
+
+    def log(message: str):
+        if not (simulated and message.startswith(TEXT_NOTICES)):
+            print(message, file=sys.stderr)
+    return log
 
 
 def cmd_agent(args):
@@ -252,12 +264,19 @@ def cmd_secret(args):
 def print_summary(s):
     from .training.metrics import human_bytes
     print(f"\nrun {s['run_dir']}: {s['strategy']} x{s['workers']}, {s['steps']} steps, "
-          f"{s['tokens']:,} tokens, final eval loss {s['final_eval_loss']:.4f}")
+          f"{trained_on(s)}, final eval loss {s['final_eval_loss']:.4f}")
     print(f"each worker sent {human_bytes(s['bytes_sent_per_worker'])}; on {s['link']}: compute "
           f"{s['compute_s']:.1f} s + exchange {s['modelled_comm_s']:.2f} s, utilisation {s['utilisation']:.1%}")
     if s.get("peak_memory_bytes"):
         print(f"peak memory {human_bytes(s['peak_memory_bytes'])} per process ({s['workers_per_process']} "
               f"worker{'s' if s['workers_per_process'] > 1 else ''} each)")
+
+
+def trained_on(s: dict) -> str:
+    """'40,960 tokens', or for data that is not tokens (images, features) '12,800 examples'."""
+    if s.get("tokens") is not None:
+        return f"{s['tokens']:,} tokens"
+    return f"{s.get('examples') or 0:,} examples (the data is not tokens)"
 
 
 def cmd_plan(args):
@@ -271,9 +290,11 @@ def cmd_plot(args):
 
 
 def cmd_generate(args):
-    from .generate import generate
-    print(args.prompt, end="", flush=True)
-    for piece in generate(args.run, args.prompt, args.max_tokens, args.temperature, args.seed):
+    from .generate import default_prompt, generate
+    prompt = default_prompt(args.run) if args.prompt is None else args.prompt
+    pieces = generate(args.run, prompt, args.max_tokens, args.temperature, args.seed)  # fails before any output
+    print(prompt, end="", flush=True)
+    for piece in pieces:
         print(piece, end="", flush=True)
     print()
 
@@ -312,7 +333,8 @@ def build_parser(config_flags: bool = True):
                    help="K: local processes, each training workers/K vmapped workers, joined by MLX's ring "
                         "(default 0: one per core when training on the CPU, else 1)")
     s.add_argument("--sample-tokens", type=int, default=100, help="tokens to sample at the end (0: none)")
-    s.add_argument("--prompt", default="ROMEO:", help="prompt for the final sample")
+    s.add_argument("--prompt", help="prompt for the final sample (default: 'ROMEO:' on the embedded "
+                   "Shakespeare, else none)")
     s.set_defaults(func=cmd_sim)
 
     s = sub.add_parser("gym", help="benchmark problems: run a strategy on one, compare scorecards")
@@ -361,6 +383,8 @@ def build_parser(config_flags: bool = True):
     s.add_argument("--collective-timeout", type=float, default=60.0,
                    help="seconds a collective may wait for peers before this worker exits")
     s.add_argument("--progress", help="JSON file rewritten every step with step, loss, tokens/s, sync time")
+    s.add_argument("--simulated", action="store_true",
+                   help="a process of 'sim', which reports the data's warnings and the summary itself")
     s.set_defaults(func=cmd_worker)
 
     s = sub.add_parser("agent", help="serve this machine to clusters (advertised over mDNS)")
@@ -431,7 +455,8 @@ def build_parser(config_flags: bool = True):
 
     s = sub.add_parser("generate", help="sample text from a run's checkpoint")
     s.add_argument("run", help="run folder")
-    s.add_argument("--prompt", default="ROMEO:", help="text to continue")
+    s.add_argument("--prompt", help="text to continue (default: 'ROMEO:' for a run on the embedded "
+                   "Shakespeare, else none)")
     s.add_argument("--max-tokens", type=int, default=200, help="tokens to generate")
     s.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (0: greedy)")
     s.add_argument("--seed", type=int, default=0, help="sampling seed")
@@ -455,7 +480,10 @@ def main(argv=None):
     try:
         args.func(args)
     except ConfigError as e:
-        print(f"mlx-diloco: error: {e}", file=sys.stderr)
+        if error_file := os.environ.get("MLX_DILOCO_ERROR_FILE"):  # a process of sim: sim says it, once
+            Path(error_file).write_text(str(e))
+        else:
+            print(f"mlx-diloco: error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         hint = getattr(args, "on_interrupt", None)

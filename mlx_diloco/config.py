@@ -10,9 +10,21 @@ class ConfigError(ValueError):
     """Bad user input; the CLI prints it as one line and exits non-zero."""
 
 
-def checked_value(name: str, value, kind):
-    """`value` as field type `kind` (bool, int, float or str), or a ConfigError naming the key.
-    An int is a float too; nothing else is converted ("4" is not 4, 20.5 is not an int)."""
+def read_json(path, what: str, fix: str):
+    """The JSON in file `path`, or one ConfigError line: `path` is not `what` (not text, or not
+    JSON, and where), and `fix`, what to pass instead."""
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not {what}: it is not text; {fix}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not {what}: not valid JSON ({e.msg} at line {e.lineno}); {fix}") from None
+
+
+def checked_value(name: str, value, kind, default=None):
+    """`value` as field type `kind` (bool, int, float or str), or a ConfigError naming the key and
+    a valid value (`value` written as `kind`, else `default`). An int is a float too; nothing else
+    is converted ("4" is not 4, 20.5 is not an int)."""
     flag = name.replace("_", "-")
     ok = {bool: lambda v: isinstance(v, bool),
           int: lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -23,8 +35,26 @@ def checked_value(name: str, value, kind):
     if not ok(value):
         example = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}[kind]
         raise ConfigError(f"{flag} must be {example}, not {json.dumps(value)}; "
-                          f"write e.g. \"{name}\": {json.dumps(kind() if kind is not bool else True)}")
+                          f"write e.g. \"{name}\": {json.dumps(valid_example(value, kind, default))}")
     return float(value) if kind is float else value
+
+
+def valid_example(value, kind, default):
+    """What a wrong-typed `value` should have been: itself as `kind` where it reads as one
+    ("4" -> 4, "true" -> true, 4.0 -> 4), else `default` (a key's default is always valid)."""
+    text = str(value).strip().lower()
+    try:
+        if kind is bool and text in ("true", "false"):
+            return text == "true"
+        if kind is int and not isinstance(value, bool) and float(text) == int(float(text)):
+            return int(float(text))
+        if kind is float and not isinstance(value, bool):
+            return float(text)
+    except (ValueError, OverflowError):
+        pass
+    if isinstance(default, kind) and not (kind is int and isinstance(default, bool)):
+        return default
+    return {bool: True, int: 1, float: 1.0, str: "..."}[kind]
 
 
 def from_dict(cls, params, what: str):
@@ -39,10 +69,12 @@ def from_dict(cls, params, what: str):
             close = difflib.get_close_matches(key, list(types), n=1)
             hint = f"did you mean '{close[0]}'?" if close else f"valid: {', '.join(types)}"
             raise ConfigError(f"unknown {what} '{key}'; {hint}")
-    return cls(**{k: checked_value(k, v, types[k]) for k, v in params.items()})
+    defaults = {f.name: f.default for f in fields(cls)}
+    return cls(**{k: checked_value(k, v, types[k], defaults[k]) for k, v in params.items()})
 
 
 PRECISIONS = ("fp32", "bf16")
+MAX_AUTO_WARMUP = 50  # warmup -1: a fifth of the run, at most this many steps (TrainConfig.warmup_steps)
 DEFAULT_MAX_SEQ_LEN = 1024  # what seq-len 0 stands for at most (a model folder may allow 32K)
 
 
@@ -61,7 +93,7 @@ class TrainConfig:
     steps: int = 500                # inner steps per worker
     # Inner optimizer: AdamW with PyTorch-equivalent settings
     lr: float = 1e-3
-    warmup: int = 50
+    warmup: int = -1                # linear warmup steps; -1: a fifth of the run, at most 50 (warmup_steps)
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -120,11 +152,7 @@ class TrainConfig:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist; pass the path of a JSON config")
-        try:
-            params = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"config file {path} is not valid JSON ({e.msg} at line {e.lineno})")
-        return cls.from_dict(params)
+        return cls.from_dict(read_json(path, "a config file", 'pass a JSON config ({"workers": 4, ...})'))
 
     def to_dict(self) -> dict:
         """Flat, as in config files: the strategy's options beside the config keys."""
@@ -136,10 +164,31 @@ class TrainConfig:
         from .strategies import make_strategy
         return make_strategy(self.strategy, self.strategy_options)
 
+    def warmup_steps(self) -> int:
+        """The learning rate's warmup in steps: as set, or (-1) a fifth of the run, at most 50 steps,
+        so that a short run is not spent warming up (60 steps: 12, not 50; 250 steps or more: 50)."""
+        return self.warmup if self.warmup >= 0 else min(MAX_AUTO_WARMUP, self.steps // 5)
+
     def validated(self) -> "TrainConfig":
         self.check_values()
-        self.make_strategy()  # its options: names, types, ranges
+        self.check_strategy(self.make_strategy())  # its options: names, types, ranges
         return self
+
+    def check_strategy(self, strategy):
+        """What the config asks of `strategy`: speed-policy time paces workers between syncs, so
+        the strategy must exchange nothing between them, and every worker must step in a round."""
+        if self.speed_policy != "time":
+            return
+        if not strategy.steps_can_differ or getattr(strategy, "ddp_warmup_steps", 0):
+            raise ConfigError(f"speed-policy time needs a strategy that exchanges only at its syncs "
+                              f"(diloco, fedavg, muloco; no ddp-warmup-steps), not {strategy.name}; "
+                              "use --speed-policy fixed")
+        from .training.speeds import Speeds
+        speeds, H = Speeds.of(self), strategy.sync_every
+        if speeds and min(steps := speeds.steps_taken(H)) == 0:
+            slow = steps.index(0)
+            raise ConfigError(f"worker {slow} (speed {speeds.speeds[slow]:g}) takes no step in a round of "
+                              f"H = {H} ticks; raise --sync-every or its speed")
 
     def check_values(self):
         """Ranges of the config's own values (the strategy checks its options)."""
@@ -151,7 +200,7 @@ class TrainConfig:
         need(self.batch_size >= 1, f"batch-size must be >= 1 (got {self.batch_size})")
         need(self.seq_len == 0 or self.seq_len >= 2, f"seq-len must be >= 2, or 0 for the model's context (got {self.seq_len})")
         need(self.lr > 0, f"lr must be > 0 (got {self.lr})")
-        need(self.warmup >= 0, f"warmup must be >= 0 steps (got {self.warmup})")
+        need(self.warmup >= -1, f"warmup must be >= 0 steps, or -1 for a fifth of the run (got {self.warmup})")
         need(self.weight_decay >= 0, f"weight-decay must be >= 0 (got {self.weight_decay})")
         for name in ("beta1", "beta2"):
             need(0 <= getattr(self, name) < 1, f"{name} must be in [0, 1) (got {getattr(self, name)})")
@@ -162,6 +211,8 @@ class TrainConfig:
                  f"{key.replace('_', '-')} must be one of {', '.join(PRECISIONS)} (got '{getattr(self, key)}')")
         from .training.speeds import Speeds
         Speeds.of(self)  # the worker speeds and their policy
+        from .exchange.network import parse_link
+        parse_link(self.link)  # a preset or 'BW[/LATENCY]'
         need(self.step_time >= 0, f"step-time must be >= 0 seconds, 0 to measure it (got {self.step_time})")
         need(self.memory_limit >= 0, f"memory-limit must be >= 0 GB, 0 for MLX's default (got {self.memory_limit})")
         need(not self.loss or ":" in self.loss, f"loss '{self.loss}' must name a function as 'package.module:function'")

@@ -43,14 +43,16 @@ def report() -> list:
 
 
 def preset_lines() -> list:
-    """Which model presets one worker can train here (plan's memory estimate, batch 4 x 512)."""
+    """Which model presets one worker can train here (plan's memory estimate; language models at
+    batch 4 x 512 tokens, image models at batch 4)."""
     from .memory import GB, MemoryOptions, estimate, flags, make_it_fit, model_shape
     from .models.zoo import preset_names
     from .plan import model_params
     budget = hostinfo.training_memory()
     as_is, changed, too_large = [], [], []
-    for name in preset_names():
-        spec, n = model_params(name)
+    for preset in preset_names():
+        spec, n = model_params(preset)
+        name = preset if spec.is_language_model else f"{preset} (images)"
         o = MemoryOptions(batch_size=4, seq_len=min(spec.context_length, 512) if spec.is_language_model else 0)
         shape = model_shape(spec.params, n)
         fix = make_it_fit(shape, o, budget)
@@ -60,8 +62,8 @@ def preset_lines() -> list:
             changed.append(f"{name} with {flags(o, fix)} ({estimate(shape, fix)['total'] / GB:.1f} GB)")
         else:
             too_large.append(name)
-    lines = [f"presets one worker can train here (batch 4 x 512, {budget / GB:.1f} GB for training): "
-             f"{', '.join(as_is) or 'none'} in fp32"]
+    lines = [f"presets one worker can train here in fp32 ({budget / GB:.1f} GB for training; language models at "
+             f"batch 4 x up to 512 tokens, image models at batch 4): {', '.join(as_is) or 'none'}"]
     lines += [f"  {c}" for c in changed]
     if too_large:
         lines.append(f"  too large here: {', '.join(too_large)}")

@@ -3,6 +3,7 @@ codec, number of fragments (Streaming DiLoCo) and overlap; with --model, memory 
 
 from .exchange.codecs import get_codec
 from .exchange.comm import exchange_plan
+from .cluster import hostinfo
 from .exchange.network import LINKS, exchange_time, parse_link
 from .memory import GB, GPU_SHARE, MAC_MEMORY_GB, MemoryOptions, estimate, flags, macs_it_fits, make_it_fit, model_shape
 from .training.metrics import human_bytes
@@ -75,12 +76,26 @@ def print_memory(args):
             print(f"  to fit a {gb} GB Mac: {flags(o, smaller)} --memory-limit {gb * GPU_SHARE:.1f} "
                   f"({estimate(shape, smaller)['total'] / GB:.2f} GB)")
             break
-    # MLX allocates each operation's output when it queues it, ahead of running it: unchecked, a
-    # step's peak can exceed what it needs by half (README, Memory).
-    print(f"  keep the peak near the estimate with --memory-limit {est['total'] * 1.05 / GB:.1f} "
-          "(agents set it to what they offer)")
+    print("  " + on_this_machine(shape, o, est["total"], hostinfo.training_memory()))
     print()
     return n
+
+
+def on_this_machine(shape, o: MemoryOptions, total: float, budget: float) -> str:
+    """Whether the job fits the `budget` bytes this machine offers, and the --memory-limit to
+    train it with: never more than the machine has. MLX allocates each operation's output when it
+    queues it, ahead of running it: unchecked, a step's peak can exceed what it needs by half
+    (README, Memory)."""
+    def limit(total):
+        return f"--memory-limit {min(total * 1.05, budget) / GB:.3g}"  # GB; 0 would mean no limit
+    here = f"on this machine ({budget / GB:.1f} GB for training)"
+    if total <= budget:
+        return f"{here}: keep the peak near the estimate with {limit(total)} (agents set it to what they offer)"
+    smaller = make_it_fit(shape, o, budget)
+    if smaller is None:
+        return f"{here}: does not fit, even at batch size 1 with every option above; use a smaller model"
+    smaller_total = estimate(shape, smaller)["total"]
+    return f"{here}: does not fit as is; with {flags(o, smaller)} {limit(smaller_total)} ({smaller_total / GB:.2f} GB)"
 
 
 def print_plan(args):
@@ -111,3 +126,18 @@ def print_plan(args):
         if args.total_steps:
             line += "".join(f" {format_duration(r[k]):>11}" for k in ("single_s", "ddp_s", "diloco_s"))
         print(line)
+    print(legend(args))
+
+
+def legend(args) -> str:
+    """What the columns mean."""
+    lines = ["sync time: one exchange of the whole model; fragment: one exchange of 1/P of it (Streaming "
+             "DiLoCo, --fragments P; the whole model when P = 1)",
+             "DDP util, DiLoCo util: the share of the time spent computing, with an exchange after every step "
+             f"(DDP) or every H = {args.sync_every} steps (DiLoCo"
+             + (f"; each fragment's exchange less what {args.overlap_steps} overlapped steps hide)"
+                if args.overlap_steps else ")")]
+    if args.total_steps:
+        lines.append(f"single, DDP, DiLoCo: time to train {args.total_steps:,} steps in all: on one machine, "
+                     f"and split over {args.workers} workers with DDP or DiLoCo")
+    return "\n".join(lines)

@@ -1,20 +1,29 @@
 """`mlx-diloco plot`: eval-loss curves of runs against steps, tokens and modelled time (PNG)."""
 
+import json
+import math
 from pathlib import Path
 
 from .config import ConfigError
 from .training.metrics import MetricsLog
 
-AXES = [("step", "inner steps"), ("tokens", "tokens (all workers)"), ("modelled_time_s", "modelled time (s)"),
-        ("bytes_sent_per_worker", "bytes sent per worker")]
-
 
 def run_label(rows, path) -> str:
+    """'diloco x2 H=10 P=2 tau=2 int4 (run folder)': what sets the run apart, and where it is."""
+    from .gym.scorecard import label
     r = rows[-1]
-    label = f"{r['strategy']} x{r['workers']}"
-    if r.get("sync_every"):
-        label += f" H={r['sync_every']}"
-    return f"{label} ({Path(path).name})"
+    config_file = Path(path) / "config.json" if Path(path).is_dir() else Path(path).parent / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    strategy, *rest = label(r["strategy"], r.get("strategy_options") or {}, config).split(" ", 1)
+    return " ".join([f"{strategy} x{r['workers']}", *rest, f"({Path(path).name})"])
+
+
+def amount_axis(runs) -> tuple:
+    """(metrics key, axis name) of what the runs trained on: tokens, or examples (images, rows)
+    when a run's data is not tokens."""
+    if all(r.get("tokens") is not None for _, rows in runs for r in rows):
+        return "tokens", "tokens (all workers)"
+    return "examples", "examples (all workers; the data is not tokens)"
 
 
 def plot_runs(run_dirs, out: Path, title: str = None) -> Path:
@@ -22,21 +31,58 @@ def plot_runs(run_dirs, out: Path, title: str = None) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    check_image_name(out)
     runs = []
     for d in run_dirs:
         path = Path(d) / "metrics.jsonl" if Path(d).is_dir() else Path(d)
         if not path.exists():
             raise ConfigError(f"no metrics.jsonl in {d}; pass run folders written by 'mlx-diloco sim'")
         runs.append((d, MetricsLog.read(path)))
-    fig, axes = plt.subplots(1, len(AXES), figsize=(5 * len(AXES), 4), sharey=True)
-    for ax, (key, name) in zip(axes, AXES):
+        if not runs[-1][1]:
+            raise ConfigError(f"{path} holds no metrics yet; pass runs that have evaluated once")
+    axes_keys = [("step", "inner steps"), amount_axis(runs), ("modelled_time_s", "modelled time (s)"),
+                 ("bytes_sent_per_worker", "bytes sent per worker")]
+    fig, axes = plt.subplots(1, len(axes_keys), figsize=(5 * len(axes_keys), 4), sharey=True)
+    for ax, (key, name) in zip(axes, axes_keys):
         for d, rows in runs:
             ax.plot([r[key] for r in rows], [r["eval_loss"] for r in rows], marker=".", label=run_label(rows, d))
         ax.set_xlabel(name)
         ax.grid(alpha=0.3)
+        if key in ("modelled_time_s", "bytes_sent_per_worker"):
+            spread_axis(ax, [r[key] for _, rows in runs for r in rows])
     axes[0].set_ylabel("eval loss (global model)")
     axes[0].legend(fontsize=8)
     return save_figure(fig, out, title)
+
+
+def check_image_name(out):
+    """One line, before any work, when matplotlib cannot write a file of `out`'s extension."""
+    from matplotlib.backend_bases import FigureCanvasBase
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if Path(out).suffix.lstrip(".").lower() not in kinds:
+        raise ConfigError(f"cannot write a plot to '{out}': end --out in .png, or one of .{', .'.join(sorted(kinds))}")
+
+
+def spread_axis(ax, values, decades: float = 1.0):
+    """A logarithmic x axis when the positive `values` span more than `decades` decades (DDP's
+    bytes against DiLoCo's), that keeps the curves' first point at 0 (step 0): linear from 0 to the
+    power of ten below the smallest positive value, logarithmic above it (symlog; the axis label
+    says so). Call after setting the label. Else the axis stays linear."""
+    positive = [v for v in values if v > 0]
+    if positive and max(positive) >= 10 ** decades * min(positive):
+        threshold = 10.0 ** math.floor(math.log10(min(positive)))
+        ax.set_xscale("symlog", linthresh=threshold, linscale=0.5)
+        ax.set_xlabel(f"{ax.get_xlabel()}, log scale above {threshold:g}")
+
+
+def value_axis(ax, values):
+    """An x axis for a swept setting (H = 10, 20, 30; workers = 1, 2, 4, 8): a tick at each value,
+    written as it was given; logarithmic (base 2) when the values span a factor of 4 or more."""
+    xs = sorted(set(values))
+    if min(xs) > 0 and max(xs) >= 4 * min(xs):
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [f"{x:g}" for x in xs])
+    ax.minorticks_off()
 
 
 def save_figure(fig, out: Path, title: str = None) -> Path:

@@ -64,3 +64,35 @@ def test_config_typo_is_named(tmp_path):
 def test_doctor_reports_blas_speed():
     out = run_cli("doctor")
     assert out.returncode == 0 and "GFLOP/s" in out.stdout and "ring" in out.stdout
+
+
+# issue 20, item 13: what a new user reads
+def test_sim_in_two_processes_says_things_once_and_prompts_for_its_corpus(tmp_path):
+    corpus = tmp_path / "notes.txt"  # not Shakespeare, with 2 invalid UTF-8 sequences
+    corpus.write_bytes(("naïve notes on trains and boats. " * 600).encode() + b"\xff\xfe" + b" end." * 50)
+    out = run_cli("sim", *TINY, "--data", corpus, "--processes", "2", "--run-dir", tmp_path / "r",
+                  "--sample-tokens", "3")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("final eval loss") == 1 and out.stderr.count("2 invalid byte sequences") == 1
+    assert "ROMEO" not in out.stdout  # the default prompt is Shakespeare's only
+
+
+def test_generate_without_a_checkpoint_prints_only_the_error(tmp_path):
+    out = run_cli("generate", tmp_path / "none")
+    assert out.returncode == 2 and out.stdout == "" and "no checkpoint" in out.stderr
+
+
+def test_plan_suggests_no_more_memory_than_here_and_explains_its_columns():
+    import re
+    from mlx_diloco.cluster.hostinfo import training_memory
+    out = run_cli("plan", "--model", "llama-1b", "--batch-size", "4", "--total-steps", "1000", "--link", "wifi")
+    assert out.returncode == 0, out.stderr
+    limits = [float(x) for x in re.findall(r"--memory-limit ([\d.]+)", out.stdout)]
+    assert limits and max(limits) <= training_memory() / 1e9 + 0.05  # 53.4 GB on a 24 GB machine before
+    assert "fragment: one exchange of 1/P" in out.stdout and "single, DDP, DiLoCo: time to train" in out.stdout
+
+
+def test_doctor_says_how_it_sizes_image_models():
+    from mlx_diloco.doctor import preset_lines
+    lines = preset_lines()
+    assert "image models at batch 4" in lines[0] and "cnn (images)" in "\n".join(lines)

@@ -242,3 +242,61 @@ def test_worker_failure_names_the_last_line_not_a_list(tmp_path):
     failure = launcher._failure({0: {"state": "exited", "returncode": 1, "progress": None,
                                      "log_tail": "Traceback...\nValueError: boom\n"}})
     assert failure["why"].endswith("exited with code 1: ValueError: boom")
+
+
+# issue 20, item 13: what a new user reads
+@pytest.mark.parametrize("params, hint", [
+    ({"workers": "4"}, '"workers": 4'), ({"lr": "3e-4"}, '"lr": 0.0003'), ({"workers": "four"}, '"workers": 4'),
+    ({"vectorize": "true"}, '"vectorize": true'), ({"strategy_options": {"sync_every": 2.5}}, '"sync_every": 50'),
+])
+def test_type_error_hints_show_a_valid_value(params, hint):
+    with pytest.raises(ConfigError) as e:
+        TrainConfig.from_dict(params)
+    assert hint in str(e.value)  # before: "workers": 0, "lr": 0.0, "sync_every": 0
+
+
+def api_fit(model, inputs, targets, said, tmp_path, batch_size: int):
+    from mlx_diloco import DiLoCo, Trainer
+    return Trainer(model, None, (inputs, targets), batch_size=batch_size, run_dir=tmp_path, log=said.append).fit(
+        DiLoCo(sync_every=3), workers=2, steps=6)
+
+
+def test_api_counts_tokens_of_sequences_and_examples_of_other_data(tmp_path):
+    import mlx.nn as nn
+    rng = np.random.default_rng(0)
+    seqs, said = rng.integers(0, 50, (64, 32)), []
+    fit = api_fit(nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 50)), seqs, np.roll(seqs, -1, 1), said,
+                  tmp_path / "t", batch_size=4)
+    assert fit.summary["examples"] == 2 * 6 * 4 and fit.summary["tokens"] == 2 * 6 * 4 * 32  # was 48: rows
+    assert not any("larger than" in m for m in said)
+    features = rng.normal(size=(10, 8)).astype(np.float32)
+    fit = api_fit(nn.Linear(8, 3), features, rng.integers(0, 3, 10), said, tmp_path / "f", batch_size=16)
+    assert fit.summary["tokens"] is None and fit.summary["examples"] == 2 * 6 * 16
+    # 16 a batch from the 5 examples a worker has: said, once
+    assert sum("batch size 16 is larger than a worker's share of the training data (5 examples)" in m
+               for m in said) == 1
+
+
+def test_fit_without_a_run_dir_leaves_no_folder(tmp_path):
+    script = ("import numpy as np, mlx.nn as nn\n"
+              "from mlx_diloco import Trainer, DiLoCo\n"
+              "x = np.random.default_rng(0).normal(size=(32, 4)).astype(np.float32)\n"
+              "r = Trainer(nn.Linear(4, 3), None, (x, np.zeros(32, dtype=np.int32)), batch_size=4, log=lambda m: None)"
+              ".fit(DiLoCo(sync_every=2), workers=2, steps=4)\n"
+              "print(r.run_dir, r.run_dir.exists())\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    folder, existed = out.stdout.split()
+    assert existed == "True" and not Path(folder).exists()
+
+
+def test_resuming_a_finished_run_keeps_its_peak_memory(tmp_path):
+    args = ["sim", "--model", "tiny", "--seq-len", "16", "--batch-size", "4", "--workers", "2", "--steps", "4",
+            "--sync-every", "2", "--eval-batches", "2", "--processes", "1", "--sample-tokens", "0",
+            "--run-dir", tmp_path / "r"]
+    assert run_cli(*args).returncode == 0
+    peak = json.loads((tmp_path / "r" / "summary.json").read_text())["peak_memory_bytes"]
+    out = run_cli("sim", "--resume", "--run-dir", tmp_path / "r", "--sample-tokens", "0")
+    assert out.returncode == 0, out.stderr
+    resumed = json.loads((tmp_path / "r" / "summary.json").read_text())["peak_memory_bytes"]
+    assert resumed >= 0.8 * peak  # before: the resumed process's own peak, a few percent of it

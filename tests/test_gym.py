@@ -66,6 +66,8 @@ def test_sweep_runs_every_point_and_resumes(tmp_path):
     names = ["workers=1,sync_every=3", "workers=1,sync_every=6", "workers=2,sync_every=3", "workers=2,sync_every=6"]
     table = (tmp_path / "s" / "sweep.md").read_text().splitlines()
     assert len(table) == 2 + len(names) and (tmp_path / "s" / "sweep.png").stat().st_size > 0
+    printed = [line.split(" | ")[0] for line in out.stdout.splitlines() if line.startswith("| ")][1:]
+    assert len(set(printed)) == len(names)  # each point its own name (workers=1 and 2 read alike before)
     for name in names:
         card = json.loads((tmp_path / "s" / name / "scorecard.json").read_text())
         assert card["point"]["workers"] == int(name[8]) and card["steps"] == 6
@@ -139,8 +141,11 @@ def test_a_cluster_measures_its_workers_speeds(tmp_path):
 def test_time_policy_needs_a_strategy_that_syncs_periodically(tmp_path):
     for options, message in [(dict(strategy="ddp"), "needs a strategy that exchanges only at its syncs"),
                              (dict(sync_every=2, worker_speeds="1,0.25"), "takes no step in a round")]:
-        config = TrainConfig.from_dict({**TINY, "workers": 2, "steps": 4, "worker_speeds": "1,0.5",
-                                        "speed_policy": "time", **options})
+        with pytest.raises(ConfigError, match=message):  # found in the config, before a run starts
+            TrainConfig.from_dict({**TINY, "workers": 2, "steps": 4, "worker_speeds": "1,0.5",
+                                   "speed_policy": "time", **options})
+        config = TrainConfig.from_dict({**TINY, "workers": 2, "steps": 4, "worker_speeds": "1,0.5", **options})
+        config.speed_policy = "time"  # set past the config's checks: the run checks again
         with pytest.raises(ConfigError, match=message):
             Run(config, tmp_path / "r", SimCommunicator(2), log=lambda m: None)
 
@@ -152,3 +157,26 @@ def test_a_time_paced_run_resumes_exactly(tmp_path):
     Run(config, tmp_path / "cut", SimCommunicator(2), log=lambda m: None).train(stop_after=4)
     resumed = Run(None, tmp_path / "cut", SimCommunicator(2), resume=True, log=lambda m: None).train()
     assert resumed["final_eval_loss"] == whole["final_eval_loss"] and resumed["tokens"] == whole["tokens"]
+
+
+def test_plot_axes_and_labels_say_what_the_runs_are(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from mlx_diloco.plot import run_label, spread_axis, value_axis
+    fig, (a, b, c, d) = plt.subplots(1, 4)
+    value_axis(a, [10, 20, 30])  # H: a tick at each value (a log2 axis ticked only "2^4" before)
+    assert a.get_xscale() == "linear" and [t.get_text() for t in a.get_xticklabels()] == ["10", "20", "30"]
+    value_axis(b, [1, 2, 4, 8])
+    assert b.get_xscale() == "log" and [t.get_text() for t in b.get_xticklabels()] == ["1", "2", "4", "8"]
+    c.plot([0, 0.03, 1.5], [3, 2, 1])
+    c.set_xlabel("modelled time (s)")
+    spread_axis(c, [0, 0.03, 1.5])  # log above 0.01, and t = 0 on the axis (a log axis dropped it)
+    assert c.get_xscale() == "symlog" and c.get_xlim()[0] <= 0 and "log scale above 0.01" in c.get_xlabel()
+    spread_axis(d, [0, 0.2, 0.5])  # less than a decade: linear
+    assert d.get_xscale() == "linear"
+    plt.close(fig)
+    options = {"sync_every": 10, "fragments": 2, "overlap_steps": 2, "compress": "int4"}
+    assert scorecard.label("diloco", options, {}) == "diloco H=10 P=2 tau=2 int4"
+    rows = [{"strategy": "diloco", "workers": 2, "strategy_options": options}]  # a streaming run read as plain DiLoCo
+    assert run_label(rows, tmp_path / "run") == "diloco x2 H=10 P=2 tau=2 int4 (run)"

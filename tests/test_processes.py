@@ -58,7 +58,8 @@ def test_a_dead_process_ends_the_run_with_a_clear_line(tmp_path):
             if b"--workers-per-process" in cmd and b"MLX_RANK=1\0" in env and str(tmp_path).encode() in cmd:
                 victim = int(pid)
     assert victim, "the second process never started"
-    time.sleep(5)
+    while not (tmp_path / "r" / "latest.json").exists() and time.time() < deadline:
+        time.sleep(0.2)  # a checkpoint to resume from
     os.kill(victim, signal.SIGKILL)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2 and "simulator process 1 of 2 failed (exit -9)" in err and "--resume" in err, err[-1000:]

@@ -54,6 +54,11 @@ def load_text(source: str, log=print) -> str:
     return text
 
 
+# How what reading a text file says begins: sim's processes read the data again after sim has
+# (cli.cmd_worker), and leave these lines to it.
+TEXT_NOTICES = ("data file ", "warning: data file ")
+
+
 def decode_text(raw: bytes, path, log=print) -> str:
     """UTF-8 text; a file with no valid UTF-8 multi-byte sequence at all is Windows-1252/Latin-1
     (the usual other encoding of old text files). Binary files are refused."""
@@ -213,6 +218,17 @@ class Dataset:
         self.train, self.val = train, val
         self.tokenizer_dir, self.vocab_size, self.is_shard = tokenizer_dir, vocab_size, is_shard
 
+    def tokens_per_example(self):
+        """Tokens in one example: a text window's length, or the length of an integer sequence
+        given as arrays (N, T); None for other examples (images, features): they are counted
+        as examples, not tokens."""
+        if isinstance(self.val, TokenExamples):
+            return self.val.seq_len
+        inputs = getattr(self.val, "inputs", None)
+        if inputs is not None and inputs.ndim == 2 and np.issubdtype(inputs.dtype, np.integer):
+            return inputs.shape[1]
+        return None
+
     def eval_batches(self, batch_size: int, count: int):
         """The same `count` validation batches every time (the first examples of the held-out split);
         smaller batches when the held-out split of a small corpus has fewer than batch-size examples."""
@@ -357,6 +373,17 @@ def prepare(source: str, seq_len: int, vocab_size: int, tokenizer: str = "", log
 
 def shard_indices(num_examples: int, worker: int, num_workers: int) -> np.ndarray:
     return np.arange(worker, num_examples, num_workers)
+
+
+def oversized_batch(batch_size: int, samplers: list) -> str:
+    """A line saying so when a batch is larger than a worker's shard (every batch repeats
+    examples, and an epoch is shorter than a step), else ''."""
+    shard = min((len(s.shard) for s in samplers if isinstance(s, ShardSampler)), default=None)
+    if shard is None or batch_size <= shard:
+        return ""
+    return (f"note: batch size {batch_size} is larger than a worker's share of the training data ({shard} "
+            f"example{'s' * (shard > 1)}): every batch repeats examples; give more data, fewer workers or a "
+            f"batch size of {shard} or less")
 
 
 class ShardSampler:

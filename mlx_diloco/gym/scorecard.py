@@ -1,8 +1,9 @@
 """A run's scorecard: what a gym problem asks of a strategy, read from the run folder.
 
     final eval loss       the global model at the end
-    to target             inner steps, tokens and modelled seconds until the eval loss first
-                          reaches the problem's target (None: not reached)
+    to target             inner steps, tokens (examples, for data that is not tokens) and
+                          modelled seconds until the eval loss first reaches the problem's
+                          target (None: not reached)
     bytes sent            per worker, in all; and the largest single exchange
     utilisation           modelled share of the time spent computing (not waiting for the link
                           or for slower workers) on the problem's link
@@ -13,8 +14,8 @@
 import json
 from pathlib import Path
 
-from ..config import ConfigError
-from ..plot import save_figure
+from ..config import ConfigError, read_json
+from ..plot import amount_axis, save_figure, spread_axis
 from ..training.metrics import MetricsLog, human_bytes
 
 CARD = "scorecard.json"
@@ -34,6 +35,7 @@ def scorecard(run_dir, problem=None, target_loss: float = None) -> dict:
         "problem": problem.name if problem else None, "run_dir": str(run_dir),
         "strategy": last["strategy"], "label": label(last["strategy"], options, config),
         "workers": last["workers"], "steps": last["step"], "tokens": last["tokens"],
+        "examples": last.get("examples"), "examples_to_target": reached and reached.get("examples"),
         "final_eval_loss": last["eval_loss"], "target_loss": target,
         "steps_to_target": reached and reached["step"], "tokens_to_target": reached and reached["tokens"],
         "modelled_s_to_target": reached and reached["modelled_time_s"],
@@ -53,6 +55,8 @@ def label(strategy: str, options: dict, config: dict) -> str:
         parts.append(f"H={options['sync_every']}")
     if options.get("fragments", 1) > 1:
         parts.append(f"P={options['fragments']}")
+    if options.get("overlap_steps"):
+        parts.append(f"tau={options['overlap_steps']}")
     if options.get("compress") not in (None, "fp16"):
         parts.append(options["compress"])
     if config.get("worker_speeds"):
@@ -73,10 +77,10 @@ def load(path) -> dict:
         return json.loads((path / CARD).read_text()) if (path / CARD).exists() else scorecard(path)
     if not path.exists():
         raise ConfigError(f"{path} does not exist; pass scorecard.json files or run folders")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
-        raise ConfigError(f"{path} is not a scorecard (JSON); pass scorecard.json files or run folders") from None
+    card = read_json(path, "a scorecard", "pass scorecard.json files or run folders")
+    if not isinstance(card, dict) or "final_eval_loss" not in card:
+        raise ConfigError(f"{path} is not a scorecard (no final_eval_loss); pass scorecard.json files or run folders")
+    return card
 
 
 def fmt(value, kind: str = "") -> str:
@@ -111,7 +115,9 @@ def table(cards: list) -> str:
 def describe(card: dict) -> str:
     """The scorecard in a few lines, for the terminal."""
     target = card["target_loss"]
-    reach = (f"reached {target} at step {card['steps_to_target']} ({fmt(card['tokens_to_target'])} tokens, "
+    amount = (f"{fmt(card['tokens_to_target'])} tokens" if card["tokens_to_target"] is not None
+              else f"{fmt(card.get('examples_to_target'))} examples")
+    reach = (f"reached {target} at step {card['steps_to_target']} ({amount}, "
              f"{fmt(card['modelled_s_to_target'], 's')} modelled)" if card["steps_to_target"]
              else f"did not reach {target}" if target is not None else "no target")
     return "\n".join([
@@ -131,18 +137,19 @@ def plot(cards: list, out: Path, title: str = None) -> Path:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for c in cards:
-        rows = MetricsLog.read(c["run_dir"])
-        losses = [r["eval_loss"] for r in rows]
-        axes[0].plot([r["modelled_time_s"] for r in rows], losses, marker=".", label=c["label"])
-        axes[1].plot([max(r["bytes_sent_per_worker"], 1) for r in rows], losses, marker=".", label=c["label"])
-        axes[2].plot([r["tokens"] for r in rows], losses, marker=".", label=c["label"])
-    for ax, name in zip(axes, ["modelled wall-clock (s)", "bytes sent per worker", "tokens (all workers)"]):
+    runs = [(c, MetricsLog.read(c["run_dir"])) for c in cards]
+    links = sorted({c["link"] for c in cards})
+    keys = [("modelled_time_s", "modelled wall-clock (s)" + (f" on {links[0]}" if len(links) == 1 else "")),
+            ("bytes_sent_per_worker", "bytes sent per worker"), amount_axis(runs)]
+    for ax, (key, name) in zip(axes, keys):
+        for c, rows in runs:
+            ax.plot([r[key] for r in rows], [r["eval_loss"] for r in rows], marker=".",
+                    label=c["label"] + (f" on {c['link']}" if len(links) > 1 else ""))
         ax.set_xlabel(name)
         ax.grid(alpha=0.3)
         ax.set_ylabel("eval loss (global model)")
-    axes[0].set_xscale("log")
-    axes[1].set_xscale("log")
+    spread_axis(axes[0], [r["modelled_time_s"] for _, rows in runs for r in rows])
+    spread_axis(axes[1], [r["bytes_sent_per_worker"] for _, rows in runs for r in rows])
     targets = {c["target_loss"] for c in cards if c.get("target_loss") is not None}
     for ax in axes:
         for t in targets:

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from ..config import ConfigError, TrainConfig
-from ..plot import save_figure
+from ..plot import save_figure, spread_axis, value_axis
 from ..training import checkpoint
 from . import scorecard
 
@@ -51,8 +51,11 @@ def run_sweep(base: dict, points: list, out: Path, train, problem=None, target_l
     """Train every point (a dict of keys laid over `base`; `train(config, run_dir, resume)` returns
     when the run is done) and return the scorecards, scored against the problem's target loss
     (or `target_loss`). Every point's config is checked before the first one trains."""
+    from ..training.run import resolve_config
     out = Path(out)
     configs = [(p, TrainConfig.from_dict({**base, **p})) for p in points]
+    for _, config in configs:
+        resolve_config(config)  # and against its model (a preset's name, its context), before anything is written
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps({"base": base, "points": points}, indent=1))
     cards = []
@@ -68,6 +71,7 @@ def run_sweep(base: dict, points: list, out: Path, train, problem=None, target_l
             train(config, run_dir, resume)
         card = scorecard.scorecard(run_dir, problem, target_loss)
         card["point"] = point
+        card["label"] = f"{point_name(point)}: {card['label']}"  # points can differ in what the label omits
         scorecard.save(card, run_dir)
         cards.append(card)
         write_summary(cards, out)
@@ -112,18 +116,20 @@ def plot(cards: list, keys: list, out: Path) -> Path:
                     label=", ".join(f"{k}={v}" for k, v in zip(others, rest)) or None)
         ax.set_xlabel(key)
         ax.set_ylabel("final eval loss")
-        ax.set_xscale("log", base=2)
+        value_axis(ax, [c["point"][key] for c in cards])
         ax.grid(alpha=0.3)
         if others:
             ax.legend(fontsize=7)
-    ax = axes[-1]
+    ax, times = axes[-1], []
     for c in cards:
         rows = MetricsLog.read(c["run_dir"])
+        times += [r["modelled_time_s"] for r in rows]
         ax.plot([r["modelled_time_s"] for r in rows], [r["eval_loss"] for r in rows], marker=".",
                 label=point_name(c["point"]))
-    ax.set_xlabel(f"modelled wall-clock (s) on {cards[0]['link'] if cards else ''}")
+    links = sorted({c["link"] for c in cards})
+    ax.set_xlabel("modelled wall-clock (s) " + (f"on {links[0]}" if len(links) == 1 else "on each point's link"))
     ax.set_ylabel("eval loss")
-    ax.set_xscale("log")
+    spread_axis(ax, times)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6)
     return save_figure(fig, out)

@@ -21,7 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..config import ConfigError
+from ..config import ConfigError, read_json
 
 
 @dataclass
@@ -77,10 +77,7 @@ def load_spec(name: str) -> ModelSpec:
 
 
 def read_preset(path) -> dict:
-    try:
-        params = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"model preset {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    params = read_json(path, "a model preset", "pass a preset's JSON file, a preset name or an mlx-lm model folder")
     if not isinstance(params, dict) or not isinstance(params.get("type"), str):
         raise ConfigError(f"model preset {path} must be a JSON object with a \"type\" "
                           "(gpt, cnn, or an mlx-lm model_type such as llama)")

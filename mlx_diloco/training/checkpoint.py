@@ -80,6 +80,29 @@ def latest_step(run_dir: Path):
         return next(iter(steps(run_dir)), None)
 
 
+def candidates(run_dir: Path) -> list:
+    """The steps a resume tries, in order: the one latest.json names, then the others, newest first."""
+    newest = latest_step(run_dir)
+    return ([newest] if newest is not None else []) + [s for s in steps(run_dir) if s != newest]
+
+
+def flaw(run_dir: Path, step: int) -> str:
+    """What is wrong with checkpoint `step`'s files ('' if nothing), found without reading its
+    arrays: the JSON parses, and the safetensors file is as long as its header says (a torn write
+    is shorter)."""
+    run_dir = Path(run_dir)
+    try:
+        json.loads((run_dir / f"ckpt-{step}.json").read_text())
+        with open(run_dir / f"ckpt-{step}.safetensors", "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+            size = os.fstat(f.fileno()).st_size
+        end = 8 + n + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except Exception as e:  # missing, torn, bad JSON, bad header...
+        return f"{type(e).__name__}: {e}"
+    return "" if size == end else f"its arrays file holds {size} of {end} bytes"
+
+
 def _read(run_dir: Path, step: int):
     meta = json.loads((run_dir / f"ckpt-{step}.json").read_text())
     flat = mx.load(str(run_dir / f"ckpt-{step}.safetensors"))
@@ -90,15 +113,11 @@ def load(run_dir: Path, step: int = None, log=print):
     """(arrays tree, meta) of the given checkpoint, or else of the newest intact one: a checkpoint
     that cannot be read (a torn file after a crash, a full disk) is skipped, and `log` says so."""
     run_dir = Path(run_dir)
-    if step is not None:
-        candidates = [step]
-    else:
-        newest = latest_step(run_dir)
-        candidates = ([newest] if newest is not None else []) + [s for s in steps(run_dir) if s != newest]
-    if not candidates:
+    tried = [step] if step is not None else candidates(run_dir)
+    if not tried:
         raise ConfigError(f"no checkpoint in {run_dir}; pass the folder of a run that saved one")
     errors = []
-    for s in candidates:
+    for s in tried:
         try:
             out = _read(run_dir, s)
         except Exception as e:  # torn file, bad JSON, bad header...

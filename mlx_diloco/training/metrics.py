@@ -27,16 +27,23 @@ class MetricsLog:
         path = Path(path)
         if path.is_dir():
             path = path / "metrics.jsonl"
-        rows = []
+
+        def not_metrics(why: str):
+            return ConfigError(f"{path} is not a metrics file written by mlx-diloco ({why}); "
+                               "pass run folders or their metrics.jsonl")
         try:
-            for n, line in enumerate(path.read_text().splitlines(), 1):
-                if line.strip():
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            raise not_metrics("it is not text") from None
+        rows = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
                     rows.append(json.loads(line))
-                    if not isinstance(rows[-1], dict) or "step" not in rows[-1]:
-                        raise ValueError("no 'step'")
-        except ValueError as e:  # JSON, UTF-8, or a row without a step
-            raise ConfigError(f"{path} is not a metrics file written by mlx-diloco (line {n}: "
-                              f"{type(e).__name__}); pass run folders or their metrics.jsonl") from None
+                except ValueError:
+                    raise not_metrics(f"line {n} is not JSON") from None
+                if not isinstance(rows[-1], dict) or "step" not in rows[-1]:
+                    raise not_metrics(f"line {n} has no 'step'")
         return rows
 
 

@@ -26,9 +26,33 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def checkpoint_dirs(run_dir: Path) -> list:
+    """Where each process of the run in `run_dir` checkpoints: process 0 in the run folder, each
+    other process in worker-W, W the number of its first worker."""
+    others = sorted(d for d in Path(run_dir).glob("worker-*") if checkpoint.latest_step(d) is not None)
+    return [Path(run_dir), *others]
+
+
 def saved_processes(run_dir: Path) -> int:
-    """How many processes trained the run in `run_dir`: process r > 0 checkpoints into worker-FIRST."""
-    return 1 + sum(1 for d in Path(run_dir).glob("worker-*") if checkpoint.latest_step(d) is not None)
+    """How many processes trained the run in `run_dir`."""
+    return len(checkpoint_dirs(run_dir))
+
+
+def resume_step(run_dir: Path, log=print) -> int:
+    """The newest checkpoint that every process saved whole: all resume from the same step. A
+    damaged one (a crash while writing) is passed over, as checkpoint.load does in one process."""
+    dirs, damaged = checkpoint_dirs(run_dir), []
+    for step in checkpoint.candidates(run_dir):
+        flaws = [f"checkpoint {step} in {d} is unreadable ({why})"
+                 for d in dirs if (why := checkpoint.flaw(d, step))]
+        if not flaws:
+            for line in damaged:
+                log(f"{line}; using checkpoint {step}")
+            return step
+        damaged += flaws
+    if not damaged:
+        raise ConfigError(f"nothing to resume in {run_dir}: no checkpoint; drop --resume to start a new run")
+    raise ConfigError(f"no intact checkpoint in {run_dir}: {'; '.join(damaged)}; start a new run")
 
 
 def choose_processes(workers: int, requested: int = 0, run_dir=None, resume: bool = False) -> int:
@@ -61,17 +85,24 @@ def free_ports(n: int) -> list:
     return ports
 
 
-def failure(procs: list, logs: list) -> str:
-    """One line on the process that failed, or ''. A peer's death makes the others' collectives
-    fail too, so a process killed by a signal is named before one that exited with an error."""
+def failure(procs: list, logs: list, errors: list, run_dir: Path) -> str:
+    """One line on the process that failed, or ''. A process that stopped on bad input wrote its
+    error to its file in `errors` (cli.main): that line is the run's. Else a peer's death makes the
+    others' collectives fail too, so a process killed by a signal is named before one that exited
+    with an error; and --resume is suggested only where a checkpoint is there to resume."""
     failed = sorted(((r, p.returncode) for r, p in enumerate(procs) if p.poll() not in (None, 0)),
                     key=lambda f: (f[1] > 0, f[0]))
     if not failed:
         return ""
+    if said := [errors[r].read_text() for r, _ in failed if errors[r].exists()]:
+        return said[0]
     r, code = failed[0]
     tail = logs[r].read_text(errors="replace").strip().splitlines()[-1:] if r else []
-    return (f"simulator process {r} of {len(procs)} failed (exit {code})" + (f": {tail[0]}" if tail else "")
-            + "; the run stops, resume it with --resume")
+    then = ("the run stops, resume it with --resume" if checkpoint.latest_step(run_dir) is not None else
+            "the run stopped before its first checkpoint, so there is nothing to resume: start it again "
+            "in a new --run-dir")
+    return f"simulator process {r} of {len(procs)} failed (exit {code})" + (f": {tail[0]}" if tail else "") + \
+        f"; {then}"
 
 
 def run_processes(config: TrainConfig, run_dir: Path, processes: int, resume: bool = False,
@@ -83,9 +114,7 @@ def run_processes(config: TrainConfig, run_dir: Path, processes: int, resume: bo
     if config.workers % K:
         raise ConfigError(f"{config.workers} workers do not split over {K} processes; "
                           "pass --workers as a multiple of --processes")
-    resume_step = checkpoint.latest_step(run_dir) if resume else None
-    if resume and resume_step is None:
-        raise ConfigError(f"nothing to resume in {run_dir}: no checkpoint; drop --resume to start a new run")
+    step = resume_step(run_dir, log) if resume else None
     if not resume:
         check_new_run_dir(run_dir)
     config = resolve_config(config)
@@ -98,24 +127,26 @@ def run_processes(config: TrainConfig, run_dir: Path, processes: int, resume: bo
         job.write_text(json.dumps(config.to_dict()))
         hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(K)]))
         args = [sys.executable, "-m", "mlx_diloco", "worker", "--config", str(job), "--run-dir", str(run_dir),
-                "--workers-per-process", str(config.workers // K), "--collective-timeout", str(collective_timeout)]
-        if resume_step is not None:
-            args += ["--resume-step", str(resume_step)]
+                "--workers-per-process", str(config.workers // K), "--collective-timeout", str(collective_timeout),
+                "--simulated"]
+        if step is not None:
+            args += ["--resume-step", str(step)]
         logs = [Path(tmp) / f"process-{r}.log" for r in range(K)]
+        errors = [Path(tmp) / f"process-{r}.error" for r in range(K)]  # bad input: one line, said here once
         # The processes import what this one can (a model builder or loss function named by module).
         python_path = os.pathsep.join(p for p in sys.path if p and Path(p).is_dir())
         procs = []
         for r in range(K):  # process 0 speaks to the terminal; the others to their logs
             env = {**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile), "OPENBLAS_NUM_THREADS": threads,
-                   "PYTHONPATH": python_path}
+                   "PYTHONPATH": python_path, "MLX_DILOCO_ERROR_FILE": str(errors[r])}
             out = None if r == 0 else open(logs[r], "wb")
             procs.append(subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT if out else None))
         try:
-            while any(p.poll() is None for p in procs) and not failure(procs, logs):
+            while any(p.poll() is None for p in procs) and not failure(procs, logs, errors, run_dir):
                 time.sleep(0.2)
             if any(p.poll() in (-signal.SIGINT, 130) for p in procs):
                 raise KeyboardInterrupt  # Ctrl-C reached the processes first: say so, not "failed"
-            if why := failure(procs, logs):
+            if why := failure(procs, logs, errors, run_dir):
                 raise ConfigError(why)
         finally:
             for p in procs:

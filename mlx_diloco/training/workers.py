@@ -10,6 +10,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
+from ..config import ConfigError
 from ..exchange.comm import placeholders, replica, stack_copies
 from ..models import fastmath
 from ..models.checkpointing import block_by_block, blockwise_value_and_grad
@@ -53,6 +54,23 @@ def clip_scale(grads, max_norm: float, size: int = UPDATE_GROUP) -> mx.array:
 def cross_entropy(model, x, y):
     """The default loss: mean cross-entropy of the model's logits (language models, classifiers)."""
     return fastmath.cross_entropy(model(x).astype(mx.float32), y)
+
+
+def check_loss(loss_fn, model, x, y):
+    """A loss function given by the user, tried on one batch: it must return one float (a scalar
+    mx.array), which the gradient is taken of; else a ConfigError saying what it returned."""
+    value = loss_fn(model, mx.array(x), mx.array(y))
+    if isinstance(value, mx.array) and value.ndim == 0 and mx.issubdtype(value.dtype, mx.floating):
+        return
+    if isinstance(value, mx.array) and value.ndim:
+        got = f"an array of shape {tuple(value.shape)}"
+    elif isinstance(value, mx.array):
+        got = f"an {str(value.dtype).split('.')[-1]} scalar"
+    else:
+        got = f"{type(value).__name__} {str(value)[:40]}"
+    name = getattr(loss_fn, "__name__", "loss_fn")
+    raise ConfigError(f"loss function '{name}' returned {got}, not a float scalar; return the batch's mean loss "
+                      "as an mx.array, e.g. nn.losses.cross_entropy(model(x), y, reduction=\"mean\")")
 
 
 class Workers:
