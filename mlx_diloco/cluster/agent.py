@@ -9,14 +9,15 @@ The only program an agent ever starts is `python -m mlx_diloco worker`, with a j
 has validated itself (TrainConfig, ring addresses, names that cannot leave the state folder).
 """
 
+import collections
 import json
 import logging
 import os
 import re
+import selectors
 import shutil
 import signal
 import socket
-import socketserver
 import subprocess
 import sys
 import threading
@@ -30,7 +31,10 @@ from ..exchange.watchdog import WATCHDOG_EXIT_MARK
 from . import hostinfo, protocol
 
 SERVICE_TYPE = "_mlx-diloco._tcp.local."
-MAX_CONNECTIONS = 32  # a launcher holds one per agent; more are refused at once
+MAX_CONNECTIONS = 32   # authenticated connections served at once (a launcher holds one per agent)
+MAX_WAITING = 128      # connections yet to send a signed first frame; a few file descriptors under macOS's 256
+ACCEPT_BATCH = 32      # connections accepted per turn of the loop, between reads of first frames
+LISTEN_BACKLOG = 128   # connections the system queues for accept (a flood must not fill it in a moment)
 log = logging.getLogger("mlx_diloco.agent")
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -246,63 +250,199 @@ class Agent:
             worker.kill()
 
 
-class _Connection(socketserver.BaseRequestHandler):
-    """Serve one launcher connection until it closes or sends a frame that must be rejected."""
+class _Waiting:
+    """A connection that has not yet sent its first frame, so has not proven it holds the secret."""
 
-    def handle(self):
-        agent, peer = self.server.agent, self.client_address[0]
-        self.request.settimeout(600)  # once authenticated; the first frame has protocol.FIRST_FRAME_S
-        channel = protocol.Channel(self.request, agent.secret, server=True)
-        while True:
+    def __init__(self, sock: socket.socket, address: str):
+        self.sock, self.address = sock, address
+        self.nonce = os.urandom(protocol.NONCE_BYTES)
+        self.deadline = time.monotonic() + protocol.FIRST_FRAME_S
+        self.frame = bytearray()
+
+
+class _Server:
+    """Accepts connections, and serves those that prove they hold the cluster secret.
+
+    A peer without the secret must not lock out one with it, so one thread (serve_forever) reads
+    every connection's first frame, and only a connection whose first frame is signed with the
+    secret gets a thread and one of MAX_CONNECTIONS places. Until then a connection may send at
+    most protocol.FIRST_FRAME bytes within protocol.FIRST_FRAME_S, and at most MAX_WAITING
+    connections wait: past that, the oldest waiting connection of the address with the most
+    waiting ones is closed. Refusing the newest instead would let anyone who keeps MAX_WAITING
+    connections open refuse everyone else. Closing the oldest closes what a flood opened before,
+    while a launcher sends its first frame a round trip after it connects, and that frame is read
+    before more connections are accepted (a launcher closed all the same tries again: see
+    discovery.AgentClient)."""
+
+    def __init__(self, address: tuple, agent: Agent):
+        self.agent = agent
+        self.listener = socket.create_server(address, backlog=LISTEN_BACKLOG)
+        self.listener.setblocking(False)
+        self.server_address = self.listener.getsockname()
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ)
+        self.waiting = {}  # socket -> _Waiting, oldest first
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.stopping = threading.Event()
+        self.dropped, self.reported = collections.Counter(), time.monotonic()
+
+    def serve_forever(self, poll_interval: float = 0.2):
+        while not self.stopping.is_set():
+            events = self.selector.select(poll_interval)
+            for key, _ in events:
+                if key.data is not None:
+                    self._read(key.data)
+            if any(key.fileobj is self.listener for key, _ in events):
+                self._accept()  # after the reads: a frame that has arrived is read before more connections come in
+            self._drop_late()
+            self._report_dropped()
+
+    def shutdown(self):
+        self.stopping.set()
+
+    def server_close(self):
+        for waiting in list(self.waiting.values()):
+            self._close(waiting)
+        self.selector.close()
+        self.listener.close()
+
+    # ------------------------------------------------------------ connections without a signed frame yet
+    def _accept(self):
+        for _ in range(ACCEPT_BATCH):
             try:
-                msg = protocol.validate(channel.recv())
-            except (ConnectionError, socket.timeout, OSError):
+                sock, address = self.listener.accept()
+            except BlockingIOError:
                 return
-            except protocol.ProtocolError as e:
-                log.warning("rejected frame from %s: %s", peer, e)
-                self._reply(channel, {"type": "error", "error": str(e), "version_mismatch": isinstance(e, protocol.VersionMismatch)})
-                return  # the stream may be out of step: drop the connection, keep serving others
-            try:
-                reply = agent.handle(msg)
-            except Refused as e:
-                log.warning("refused %s from %s: %s", msg["type"], peer, e)
-                reply = {"type": "error", "error": str(e)}
-            except Exception as e:  # a bug must not take the agent down
-                log.exception("error handling %s", msg["type"])
-                reply = {"type": "error", "error": f"{type(e).__name__}: {e}"}
-            if not self._reply(channel, reply):
+            except OSError as e:  # out of file descriptors: make room for the next turn
+                log.warning("cannot accept a connection: %s", e)
+                if self.waiting:
+                    self._evict()
+                time.sleep(0.05)
                 return
+            if len(self.waiting) >= MAX_WAITING:
+                self._evict()
+            self._admit(sock, address[0])
+
+    def _admit(self, sock: socket.socket, address: str):
+        waiting = _Waiting(sock, address)
+        try:
+            sock.setblocking(False)
+            sock.send(protocol.GREETING + waiting.nonce)  # 20 bytes into an empty send buffer
+        except OSError:
+            sock.close()
+            return
+        self.waiting[sock] = waiting
+        self.selector.register(sock, selectors.EVENT_READ, waiting)
+
+    def _evict(self):
+        """Close the oldest waiting connection of the address that has the most waiting."""
+        crowded = collections.Counter(w.address for w in self.waiting.values()).most_common(1)[0][0]
+        self._close(next(w for w in self.waiting.values() if w.address == crowded), "pushed out by newer ones")
+
+    def _drop_late(self):
+        now = time.monotonic()
+        for waiting in list(self.waiting.values()):  # oldest first
+            if waiting.deadline > now:
+                return
+            self._close(waiting, f"no first frame within {protocol.FIRST_FRAME_S:g} s")
+
+    def _read(self, waiting: _Waiting):
+        """Read what has come of a first frame; once it is whole, serve its connection in a thread
+        if it is signed with the secret."""
+        try:
+            part = waiting.sock.recv(protocol.bytes_missing(waiting.frame, protocol.FIRST_FRAME))
+        except BlockingIOError:
+            return
+        except OSError:
+            part = b""
+        if not part:
+            return self._close(waiting)
+        waiting.frame += part
+        channel = protocol.Channel(waiting.sock, self.agent.secret, server=True, nonce=waiting.nonce)
+        try:
+            if protocol.bytes_missing(waiting.frame, protocol.FIRST_FRAME) > 0:
+                return
+            request = channel.authenticate_frame(waiting.frame)
+        except protocol.ProtocolError as e:  # too large for a first frame, or not signed with the secret
+            self._forget(waiting)
+            self._reject(channel, waiting.address, e)
+            return channel.close()
+        self._forget(waiting)
+        if not self.slots.acquire(blocking=False):
+            log.warning("refused a connection from %s: %d connections open", waiting.address, MAX_CONNECTIONS)
+            _reply(channel, {"type": "error", "busy": True,
+                             "error": f"it is busy: {MAX_CONNECTIONS} connections open (a launcher holds one); "
+                                      "stop a launcher or try again later"})
+            return channel.close()
+        waiting.sock.settimeout(600)
+        threading.Thread(target=self._serve, args=(channel, request, waiting.address), daemon=True).start()
+
+    def _forget(self, waiting: _Waiting):
+        del self.waiting[waiting.sock]
+        self.selector.unregister(waiting.sock)
+
+    def _close(self, waiting: _Waiting, why: str = None):
+        self._forget(waiting)
+        waiting.sock.close()
+        if why:
+            self.dropped[(waiting.address, why)] += 1
+
+    def _report_dropped(self):
+        """One log line per address and reason every 10 s, not one per connection of a flood."""
+        if self.dropped and time.monotonic() - self.reported > 10:
+            for (address, why), count in self.dropped.items():
+                log.warning("closed %d connections from %s that had not proven the secret: %s", count, address, why)
+            self.dropped.clear()
+            self.reported = time.monotonic()
+
+    # ------------------------------------------------------------ authenticated connections
+    def _serve(self, channel: protocol.Channel, msg: dict, peer: str):
+        """Serve one connection (its first request is `msg`) until it closes or sends a frame that
+        must be rejected."""
+        try:
+            while True:
+                try:
+                    request = protocol.validate(msg)
+                except protocol.ProtocolError as e:
+                    return self._reject(channel, peer, e)
+                if not _reply(channel, _answer(self.agent, request, peer)):
+                    return
+                msg = request = None  # a large frame is freed before the next one is waited for
+                try:
+                    msg = channel.recv()
+                except (ConnectionError, socket.timeout, OSError):
+                    return
+                except protocol.ProtocolError as e:
+                    return self._reject(channel, peer, e)
+        finally:
+            channel.close()
+            self.slots.release()
 
     @staticmethod
-    def _reply(channel, reply) -> bool:
-        try:
-            channel.send(reply)
-            return True
-        except (OSError, protocol.ProtocolError):
-            return False
+    def _reject(channel: protocol.Channel, peer: str, error: protocol.ProtocolError):
+        """Say why a frame is rejected; the caller drops the connection (the stream may be out of step)."""
+        log.warning("rejected frame from %s: %s", peer, error)
+        _reply(channel, {"type": "error", "error": str(error),
+                         "version_mismatch": isinstance(error, protocol.VersionMismatch)})
 
 
-class _Server(socketserver.ThreadingTCPServer):
-    """One thread per connection, at most MAX_CONNECTIONS at a time (the next ones are closed at once)."""
-    allow_reuse_address = True
-    daemon_threads = True
+def _answer(agent: Agent, msg: dict, peer: str) -> dict:
+    try:
+        return agent.handle(msg)
+    except Refused as e:
+        log.warning("refused %s from %s: %s", msg["type"], peer, e)
+        return {"type": "error", "error": str(e)}
+    except Exception as e:  # a bug must not take the agent down
+        log.exception("error handling %s", msg["type"])
+        return {"type": "error", "error": f"{type(e).__name__}: {e}"}
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
 
-    def process_request(self, request, client_address):
-        if not self.slots.acquire(blocking=False):
-            log.warning("refused a connection from %s: %d connections open", client_address[0], MAX_CONNECTIONS)
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
+def _reply(channel: protocol.Channel, reply: dict) -> bool:
+    try:
+        channel.send(reply)
+        return True
+    except (OSError, protocol.ProtocolError):
+        return False
 
 
 def advertise(agent: Agent, port: int, addresses: list):
@@ -327,8 +467,8 @@ def serve(state_dir: Path, secret: bytes, port: int = protocol.DEFAULT_PORT, bin
           name: str = None, max_memory: float = None):
     """Run the agent until SIGINT/SIGTERM."""
     agent = Agent(state_dir, secret, name, max_memory)
-    server = _Server((bind, port), _Connection)
-    server.agent = agent
+    protocol.return_freed_memory_to_the_system()
+    server = _Server((bind, port), agent)
     port = server.server_address[1]
     addresses = [i["address"] for i in hostinfo.interfaces() if i["kind"] != "loopback"] or ["127.0.0.1"]
     if bind and bind != "0.0.0.0":

@@ -9,6 +9,9 @@ from ..config import ConfigError
 from . import protocol
 
 
+CONNECT_TRIES = 3
+
+
 class AgentError(Exception):
     """An agent refused a request, or could not be reached."""
 
@@ -81,13 +84,30 @@ class AgentClient:
         self.channel = None
 
     def _connect(self):
-        try:
-            sock = socket.create_connection((self.found.address, self.found.port), timeout=self.timeout_s)
-            self.channel = protocol.Channel(sock, self.secret, server=False)
-        except (OSError, protocol.ProtocolError) as e:
-            raise AgentError(f"cannot reach agent at {self.found.endpoint}: {e}")
-        # A small signed exchange first: the agent takes large frames only once the secret is proven.
-        self._exchange({"type": "heartbeat"})
+        """Connect, and prove the secret with a small signed exchange: the agent takes large frames only
+        after it. An agent flooded with connections closes the oldest that have not proven it yet,
+        which on a shared address can be ours: a few tries make that rare case harmless."""
+        for attempt in range(CONNECT_TRIES):
+            try:
+                sock = socket.create_connection((self.found.address, self.found.port), timeout=self.timeout_s)
+            except OSError as e:
+                raise AgentError(f"cannot reach agent at {self.found.endpoint}: {e}")
+            try:
+                self.channel = protocol.Channel(sock, self.secret, server=False)
+                self._exchange({"type": "heartbeat"})
+                return
+            except ConnectionError as e:  # accepted, then closed before the first answer
+                sock.close()
+                self.channel = None
+                if attempt == CONNECT_TRIES - 1:
+                    raise AgentError(f"agent at {self.found.endpoint} closed the connection before answering, "
+                                     f"{CONNECT_TRIES} times ({e}): it is full or busy (too many connections at "
+                                     "once: other launchers, or a flood from a peer without the secret), or it "
+                                     "is restarting; try again later")
+                time.sleep(0.1 * 2 ** attempt)
+            except (OSError, protocol.ProtocolError) as e:
+                sock.close()
+                raise AgentError(f"cannot reach agent at {self.found.endpoint}: {e}")
 
     def request(self, kind: str, **fields) -> dict:
         if self.channel is None:
@@ -104,10 +124,15 @@ class AgentClient:
             self.close()
             raise ConfigError(f"agent at {self.found.endpoint} signs with another key: the cluster secret "
                               "differs; set the same MLX_DILOCO_SECRET (or --secret-file) everywhere")
-        except (OSError, ConnectionError, protocol.ProtocolError) as e:
+        except (OSError, protocol.ProtocolError) as e:
+            if isinstance(e, ConnectionError) and self.channel.received == 0:
+                raise  # closed before its first answer: _connect says so, and tries again
             self.close()
             raise AgentError(f"agent at {self.found.endpoint} did not answer '{kind}': {e}")
         if reply.get("type") == "error":
+            if reply.get("busy"):
+                self.close()
+                raise AgentError(f"agent at {self.found.endpoint} refused the connection: {reply['error']}")
             if reply.get("version_mismatch"):
                 raise ConfigError(f"agent at {self.found.endpoint}: {reply['error']}")
             raise AgentError(f"agent at {self.found.endpoint} refused '{kind}': {reply['error']}")
