@@ -88,6 +88,7 @@ def value_axis(ax, values):
 def save_figure(fig, out: Path, title: str = None) -> Path:
     """Write a matplotlib figure as a PNG (its folder made if need be) and close it."""
     import matplotlib.pyplot as plt
+    check_image_name(out)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -134,3 +134,15 @@ def test_a_worker_with_nan_stops_the_run_before_the_global_model_and_its_checkpo
     after = flat(run.strategy.global_params(None))
     for k in before:
         np.testing.assert_array_equal(after[k], before[k], err_msg=k)
+
+
+def test_nan_in_an_exchange_still_in_flight_never_reaches_a_checkpoint(tmp_path):
+    """Streaming DiLoCo with one step of overlap, H = 4: the exchange sent at step 8 lands at step 9,
+    after the checkpoint of step 8, which therefore checks the weights it would keep."""
+    run = make_run(tmp_path, "r", workers=3, steps=12, overlap_steps=1)
+    run.train(stop_after=7)
+    run.workers.params = tree_unflatten([(k, mx.where(mx.arange(3).reshape(3, *[1] * (v.ndim - 1)) == 1, float("nan"), v))
+                                         for k, v in tree_flatten(run.workers.params)])
+    with pytest.raises(ConfigError, match=r"step 8: worker 1 holds non-finite values .* in its weights.*step 4\) is intact"):
+        run.train()
+    assert checkpoint.latest_step(tmp_path / "r") == 4

@@ -107,11 +107,11 @@ def wire_formula(name, L):
     base = name.split("-")[0]
     if base in per_group:
         return 4 + groups * per_group[base]          # the unit, packed values, fp16 scale (and bias)
-    return L * {"fp32": 4, "fp16": 2, "bf16": 2}[name] + (0 if name == "fp32" else 4)
+    return L * {"fp32": 4, "fp16": 2, "bf16": 2}[name] + (4 if name == "fp16" else 0)   # only fp16 has a unit
 
 
 @pytest.mark.parametrize("M", [2, 3, 4, 8])
-@pytest.mark.parametrize("name", ["fp32", "fp16", "int8", "int4", "e3m0", "int2", "int4-nearest"])
+@pytest.mark.parametrize("name", ["fp32", "fp16", "bf16", "int8", "int4", "e3m0", "int2", "int4-nearest"])
 def test_bytes_are_the_formula_and_what_is_sent(name, M):
     L = 5000
     codec = get_codec(name)
@@ -121,7 +121,7 @@ def test_bytes_are_the_formula_and_what_is_sent(name, M):
     (record,) = comm.drain_records()
     check = (M - 1) * CHECK_BYTES
     if codec.summable:
-        payload = wire_formula(name, L) - (0 if name == "fp32" else 4)   # the unit comes with the check
+        payload = wire_formula(name, L) - (4 if name == "fp16" else 0)   # the unit comes with the check
         assert record.sent_bytes == 2 * (M - 1) * payload // M + check
     elif M == 2:
         assert record.sent_bytes == wire_formula(name, L) + check
@@ -203,3 +203,9 @@ def test_stochastic_rounding_is_unbiased_and_deterministic(name):
         assert set(np.array(nearest.roundtrip(mx.array(values)[None]))[0, 1:]) == {0.5}
         out = np.array(sr.roundtrip(mx.array(np.tile(values, 64))[None]))[0]
         assert abs(out[np.tile(values, 64) == np.float32(0.6)].mean() - 0.6) < 0.02
+
+
+def test_e3m0_nearest_rounds_up_from_halfway_between_levels():
+    values = np.array([1.0, 0.74, 0.75, 0.3749, 0.375, -0.75] + [0.0] * (GROUP - 6), np.float32)
+    out = np.array(get_codec("e3m0-nearest").roundtrip(mx.array(values)[None]))[0, :6]
+    np.testing.assert_array_equal(out, [1.0, 0.5, 1.0, 0.25, 0.5, -1.0])

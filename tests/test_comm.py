@@ -2,6 +2,7 @@
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from mlx_diloco.exchange.codecs import CHECK_BYTES
 from mlx_diloco.exchange.comm import SimCommunicator
@@ -22,3 +23,20 @@ def test_async_mean_can_overlap():
     comm = SimCommunicator(2)
     pending = comm.start_all_mean({"w": mx.ones((2, 5))})
     assert np.array_equal(np.array(pending.result()["w"]), np.ones(5))
+
+
+@pytest.mark.parametrize("codec", ["int4", "e3m0", "int2", "fp16"])
+def test_one_worker_exchanges_with_any_codec(codec):
+    x = mx.random.normal((1, 1000), key=mx.random.key(0))
+    out = SimCommunicator(1).start_mean(x, codec).result()
+    assert out.shape == (1000,) and np.isfinite(np.array(out)).all()
+
+
+def test_the_check_before_an_exchange_holds_no_copy_of_the_values():
+    x = mx.random.normal((2, 4_000_000), key=mx.random.key(1))
+    mx.eval(x)
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    mx.eval(SimCommunicator(2).start_mean(x, "fp32").result())
+    # x / M (one buffer) and the sum (half of one); a copy of the values for the check would add a buffer
+    assert mx.get_peak_memory() - base <= 1.6 * x.nbytes

@@ -1,6 +1,8 @@
 """The package as a user installs it: a wheel, not the editable checkout (issue 20: a hand-kept
 package list once shipped a wheel without mlx_diloco.gym)."""
 
+import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -11,8 +13,19 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_wheel_holds_every_package_and_runs_from_a_fresh_virtualenv(tmp_path):
+    # Built from a copy of the files git knows: a build in the checkout leaves build/ behind, whose
+    # stale modules later builds would ship.
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
+                            capture_output=True, text=True).stdout.split()
+    source = tmp_path / "source"
+    for name in listed:
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        if (ROOT / name).is_symlink():  # mlx_diloco/presets -> ../models
+            (source / name).symlink_to(os.readlink(ROOT / name))
+        elif (ROOT / name).is_file():
+            shutil.copy2(ROOT / name, source / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path / "dist"), str(ROOT)], check=True, capture_output=True)
+                    "-w", str(tmp_path / "dist"), str(source)], check=True, capture_output=True)
     wheel = next((tmp_path / "dist").glob("mlx_diloco-*.whl"))
     shipped = {Path(n).parent.as_posix() for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".py")}
     in_tree = {p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "mlx_diloco").rglob("__init__.py")}

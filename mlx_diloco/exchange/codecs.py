@@ -7,21 +7,22 @@ are plain floating-point casts that the ring's all-reduce can add as they are; t
 taken in float32 after decoding.
 
     fp32                            the values as they are
-    fp16 (default), bf16            casts of x / unit; in an exchange every worker uses the same
-                                    unit (comm.py shares it), so the casts stay summable
+    fp16 (default)                  a cast of x / unit; in an exchange every worker uses the same
+                                    unit (comm.py shares it), so the cast stays summable
+    bf16                            a cast of x (float32's exponent range: no unit needed)
     int8, int4, int2                group-wise affine: `bits`-bit integers, an fp16 scale and bias
                                     per group of x / unit
     e3m0                            Streaming DiLoCo's 4-bit float: sign and 3 exponent bits, no
                                     mantissa (0 or +-scale * 2^-k, k = 0..6), fp16 scale per group
 
-Scale invariance: every message (one worker's row) carries its `unit`, a float32 power of two that
-puts its largest magnitude in [2^13, 2^14). Dividing by it is exact, and fp16 holds x / unit
-and the group scales of it without underflow or overflow whatever the size of x: the error
-of a round trip does not depend on the scale of its input, and finite values stay finite.
+Scale invariance: every fp16 or quantized message (one worker's row) carries its `unit`, a float32
+power of two that puts its largest magnitude in [2^13, 2^14). Dividing by it is exact, and fp16
+holds x / unit and the group scales of it without underflow or overflow whatever the size of x:
+the error of a round trip does not depend on the scale of its input, and finite values stay finite.
 
 Rounding (the quantized codecs): `nearest`, or `stochastic` (round up with probability equal to
 the distance from the level below, so the decoded values are unbiased). The random numbers are
-a hash of the value, its position, the worker and a seed: the same message always rounds the
+a hash of the value, its position and the worker: the same message always rounds the
 same way (a resumed run repeats it; the simulator and a real ring agree), and values that differ
 round independently. `int4` is the default rounding; `int4-nearest` and `int4-stochastic` pick one.
 
@@ -57,14 +58,14 @@ def largest_magnitude(x: mx.array) -> mx.array:
     return mx.max(mx.where(mx.isfinite(x), mx.abs(x), 0.0), axis=-1, keepdims=True)
 
 
-def uniform(x: mx.array, salt, seed: int = 0) -> mx.array:
+def uniform(x: mx.array, salt) -> mx.array:
     """Pseudo-random numbers in [0, 1), one per value of x (n, ...), from a hash (murmur3's
     finaliser) of the value's bits, its position and its row's salt (the worker's index)."""
     n = x.shape[0]
     salt = mx.zeros((n,), mx.uint32) if salt is None else mx.array(salt).astype(mx.uint32)
     position = mx.arange(x.size // n, dtype=mx.uint32).reshape(1, *x.shape[1:])
     h = x.astype(mx.float32).view(mx.uint32) ^ (position * 0x9E3779B9)
-    h = h ^ ((salt.reshape(n, *[1] * (x.ndim - 1)) + seed * 7919) * 0x85EBCA6B)
+    h = h ^ (salt.reshape(n, *[1] * (x.ndim - 1)) * 0x85EBCA6B)
     for shift, multiplier in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
         h = (h ^ (h >> shift)) * multiplier
     h = h ^ (h >> 16)
@@ -74,7 +75,7 @@ def uniform(x: mx.array, salt, seed: int = 0) -> mx.array:
 class Codec:
     name = "base"
     summable = False
-    unit_bytes = 0  # of wire_bytes: the unit (summed exchanges share one instead of sending it)
+    shared_unit_bytes = 0  # of wire_bytes: the unit, which a summed exchange shares through the check
 
     def encode(self, x: mx.array, salt=None) -> dict:
         """Wire form of (n, L) float32 values; `salt` (n job-wide worker indices) seeds rounding."""
@@ -97,12 +98,13 @@ class Cast(Codec):
 
     def __init__(self, name, dtype):
         self.name, self.dtype = name, dtype
-        self.unit_bytes = 0 if dtype == mx.float32 else UNIT_BYTES  # fp32 holds any float32 as it is
+        # only fp16 needs a unit: fp32 and bf16 have float32's exponent range
+        self.shared_unit_bytes = UNIT_BYTES if dtype == mx.float16 else 0
 
     def encode(self, x, salt=None, unit=None):
         """`unit` (n, 1): the power of two to divide by (comm.py passes one shared by all workers)."""
-        if not self.unit_bytes:
-            return {"values": x}
+        if not self.shared_unit_bytes:
+            return {"values": x.astype(self.dtype)}
         unit = unit_of(largest_magnitude(x)) if unit is None else unit
         return {"unit": unit, "values": (x / unit).astype(self.dtype)}
 
@@ -111,15 +113,15 @@ class Cast(Codec):
         return values * wire["unit"] if "unit" in wire else values
 
     def wire_bytes(self, length):
-        return length * self.dtype.size + self.unit_bytes
+        return length * self.dtype.size + self.shared_unit_bytes
 
 
 class Quantized(Codec):
-    """Groups of GROUP values of x / unit, each with an fp16 scale; `rounding` nearest or stochastic."""
-    bits = 4
+    """Groups of GROUP values of x / unit, each with an fp16 scale, as `bits`-bit codes packed the way
+    mx.dequantize reads them; `rounding` nearest or stochastic."""
 
-    def __init__(self, rounding: str = "nearest", seed: int = 0):
-        self.rounding, self.seed = rounding, seed
+    def __init__(self, rounding: str = "nearest"):
+        self.rounding = rounding
 
     def groups(self, x):
         """(n, L) -> the unit (n, 1) and the values over it, (n, groups, GROUP)."""
@@ -129,7 +131,7 @@ class Quantized(Codec):
     def round_up(self, fraction, x, salt):
         """Where a value a `fraction` of the way from its level below to the next rounds up."""
         if self.rounding == "stochastic":
-            return uniform(x, salt, self.seed) < fraction
+            return uniform(x, salt) < fraction
         return fraction >= 0.5
 
     def pack(self, codes):
@@ -155,13 +157,16 @@ class Affine(Quantized):
     """`bits`-bit integers q with an fp16 scale s and bias b per group: a value is b + q * s."""
     scales_per_group = 2
 
-    def __init__(self, name, bits, rounding="nearest", seed=0):
-        super().__init__(rounding, seed)
+    def __init__(self, name, bits, rounding="nearest"):
+        super().__init__(rounding)
         self.name, self.bits = name, bits
 
     def grid(self, g):
         """Each group's scale and bias, as mx.quantize picks them: the range over 2^bits - 1 steps,
-        from the extreme of larger magnitude (the bias), adjusted so that zero is a level."""
+        from the extreme of larger magnitude (the bias), adjusted so that zero is a level. Not
+        mx.quantize itself: it has no stochastic mode, and its nearest codes differ (it rounds with
+        the float32 scale, not the fp16 one sent; fp16 scales need fp16 input, which loses bits of
+        x / unit; its smallest step, 1e-7, gives constant groups a nonzero scale)."""
         low, high = mx.min(g, axis=-1, keepdims=True), mx.max(g, axis=-1, keepdims=True)
         from_low = mx.abs(low) > mx.abs(high)
         step = mx.maximum((high - low) / (2 ** self.bits - 1), 1e-30)
@@ -182,16 +187,18 @@ class Affine(Quantized):
         return {"unit": unit, "q": self.pack(q), "scales": scale.reshape(n, -1), "biases": bias.reshape(n, -1)}
 
     def decode(self, wire, length):
-        q = self.unpack(wire["q"]).astype(mx.float32)
-        x = wire["biases"].astype(mx.float32)[..., None] + q * wire["scales"].astype(mx.float32)[..., None]
-        return (x.reshape(x.shape[0], -1) * wire["unit"])[:, :length]
+        # float32 copies of the fp16 scales and biases: mx.dequantize returns their dtype
+        scales, biases = wire["scales"].astype(mx.float32), wire["biases"].astype(mx.float32)
+        x = mx.dequantize(wire["q"], scales, biases, group_size=GROUP, bits=self.bits)
+        return (x * wire["unit"])[:, :length]
 
 
 class E3M0(Quantized):
     """Sign and a 3-bit exponent: code 0 is zero, code c in 1..7 is scale * 2^-(c-1), where scale is
     the group's largest magnitude. Between two levels a value rounds to the one `rounding` picks
-    (nearest: from 0.75 of the way up between 2^-k and 2^-(k-1); ties round up); two codes a byte."""
+    (nearest: up from halfway between them, e.g. 0.74 to 0.5 and 0.75 to 1.0); two codes a byte."""
     name = "e3m0"
+    bits = 4
     LEVELS = 7
     scales_per_group = 1
 
@@ -205,14 +212,12 @@ class E3M0(Quantized):
         above = mx.where(k == self.LEVELS, 2.0 ** (1 - self.LEVELS), 2 * below)
         fraction = mx.where(k == 0, 0.0, (v - below) / (above - below))
         k = mx.where(self.round_up(fraction, g, salt), k - 1, k)
-        code = mx.where(k == self.LEVELS, 0, k + 1).astype(mx.uint8) | ((g < 0).astype(mx.uint8) << 3)
-        pairs = code.reshape(x.shape[0], -1, 2)
-        return {"unit": unit, "codes": pairs[..., 0] | (pairs[..., 1] << 4), "scales": scale.reshape(x.shape[0], -1)}
+        code = mx.where(k == self.LEVELS, 0, k + 1) + 8 * (g < 0)  # bit 3: the sign
+        return {"unit": unit, "codes": self.pack(code), "scales": scale.reshape(x.shape[0], -1)}
 
     def decode(self, wire, length):
-        packed = wire["codes"]
-        n = packed.shape[0]
-        code = mx.stack([packed & 15, packed >> 4], axis=-1).reshape(n, -1, GROUP)
+        code = self.unpack(wire["codes"])
+        n = code.shape[0]
         magnitude = code & 7
         value = mx.where(magnitude == 0, 0.0, mx.power(2.0, 1.0 - magnitude.astype(mx.float32)))
         value = mx.where((code >> 3) == 1, -value, value) * wire["scales"].astype(mx.float32)[..., None]

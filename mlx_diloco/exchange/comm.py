@@ -19,7 +19,7 @@ a codec (codecs.py), and reduced by the cheapest algorithm that codec allows:
 
 Before every exchange the workers all-gather two float32 numbers each (CHECK_BYTES, counted in
 the bytes sent): their largest magnitude, from which the summed codecs take the unit every
-worker divides by (codecs.py), and their count of non-finite values. A NaN or an inf never
+worker divides by (codecs.py), and whether any of their values is NaN or inf. A NaN or an inf never
 reaches the mean: when the exchange is waited on, every worker of the job raises
 NonFiniteValues naming the same workers (peers on a ring stop together; none waits on another).
 
@@ -35,16 +35,17 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from .codecs import CHECK_BYTES, Codec, get_codec, largest_magnitude, unit_of
+from .codecs import CHECK_BYTES, Codec, get_codec, unit_of
 
 
 class NonFiniteValues(RuntimeError):
-    """Some workers' values held NaN or inf; `workers` (job-wide indices) and the exchange's `tag`."""
+    """Some workers' values held NaN or inf; `workers` (job-wide indices) and the exchange's `tag`
+    (or what was checked)."""
 
-    def __init__(self, workers, tag: str):
+    def __init__(self, workers, tag: str, verb: str = "sent"):
         self.workers, self.tag = sorted(workers), tag
         who = f"worker {self.workers[0]}" if len(self.workers) == 1 else f"workers {', '.join(map(str, self.workers))}"
-        super().__init__(f"{who} sent non-finite values (NaN or inf)" + (f" in {tag}" if tag else ""))
+        super().__init__(f"{who} {verb} non-finite values (NaN or inf)" + (f" in {tag}" if tag else ""))
 
 
 def stack_copies(tree, n: int):
@@ -90,10 +91,10 @@ def exchange_plan(codec: Codec, length: int, workers: int):
     the check's all-gather (M - 1 hops of CHECK_BYTES)."""
     M, payload = workers, codec.wire_bytes(length)
     check_hops, check_sent = M - 1, (M - 1) * CHECK_BYTES
-    if codec.summable or M == 1:
-        payload -= codec.unit_bytes  # the unit is shared through the check, not sent
+    if codec.summable:
+        payload -= codec.shared_unit_bytes  # the unit is shared through the check, not sent
         return "all_reduce", 2 * (M - 1) + check_hops, payload, 2 * (M - 1) * payload // M + check_sent
-    if M == 2:
+    if M <= 2:  # (one worker: a gather of itself, nothing sent)
         return "all_gather", M - 1 + check_hops, payload, (M - 1) * payload + check_sent
     chunk = codec.wire_bytes(-(-length // M))
     return "quantized_ring", 2 * (M - 1) + check_hops, payload, 2 * (M - 1) * chunk + check_sent
@@ -145,7 +146,7 @@ class Pending:
             mx.eval(self._out, *[a for a in (self._check, self.lost) if a is not None])
         self.record.done = True
         if self._check is not None:
-            bad = [w for w, count in enumerate(self._check[:, 1].tolist()) if count > 0]
+            bad = [w for w, flag in enumerate(self._check[:, 1].tolist()) if flag]
             if bad:
                 raise NonFiniteValues(bad, self.record.tag)
         return self._finish(self._out)
@@ -226,12 +227,15 @@ class Communicator:
                        check=check, lost=lost)
 
     def _check(self, arrays: list) -> mx.array:
-        """(num_workers, 2) float32: every worker's largest finite magnitude and count of
-        non-finite values over `arrays` (each (n_local, ...)), all-gathered (CHECK_BYTES each)."""
-        n = self.n_local
-        values = mx.concatenate([a.reshape(n, -1).astype(mx.float32) for a in arrays], axis=1)
-        non_finite = mx.sum(~mx.isfinite(values), axis=1, keepdims=True).astype(mx.float32)
-        return self._gather_workers(mx.concatenate([largest_magnitude(values), non_finite], axis=1))
+        """(num_workers, 2) float32: every worker's largest magnitude over `arrays` (each
+        (n_local, ...)) and 1 where any of its values is NaN or inf, all-gathered (CHECK_BYTES each).
+        Reductions only, no temporary the size of the values: max and min carry a NaN or an inf
+        through (and a worker with one stops the run, so its magnitude is never used)."""
+        top = mx.zeros((self.n_local,))
+        for a in arrays:
+            a = a.reshape(self.n_local, -1)
+            top = mx.maximum(top, mx.maximum(a.max(axis=1), -a.min(axis=1)).astype(mx.float32))
+        return self._gather_workers(mx.stack([top, (~mx.isfinite(top)).astype(mx.float32)], axis=1))
 
     # ---- the three algorithms: each returns the mean (L',) and, with feedback, what it lost (n_local, L)
     def _summed(self, buffer, codec, check, feedback):
@@ -239,11 +243,11 @@ class Communicator:
         # by a unit every worker shares (from the check's largest magnitude): the sum stays in range.
         M, L = self.num_workers, buffer.shape[1]
         shared = {}
-        if codec.unit_bytes:
+        if codec.shared_unit_bytes:
             shared["unit"] = mx.broadcast_to(unit_of(mx.max(check[:, 0])), (self.n_local, 1))
         wire = codec.encode(buffer / M, **shared)
         total = self._sum_workers(wire["values"])[None]
-        out = codec.decode({**wire, "values": total, **{k: v[:1] for k, v in shared.items()}}, L)[0]
+        out = codec.decode({**wire, "values": total, **{k: v[:1] for k, v in shared.items()}}, L).reshape(-1)  # a view: x[0] copies
         return out, (buffer - M * codec.decode(wire, L)) if feedback else None
 
     def _gathered(self, buffer, codec, check, feedback):
@@ -310,6 +314,18 @@ class Communicator:
             check = self._check(floats or [mx.zeros((self.n_local, 1))])
             out = unpack(self._gather_workers(mx.depends(pack(wire), check)), wire)
         return Pending(self, out, record, finish=lambda out: out, check=check).result()
+
+    def check_finite(self, tree, what: str):
+        """Raise NonFiniteValues on every worker if any worker's floating-point arrays in `tree`
+        (each (n_local, ...)) hold NaN or inf: what no exchange has checked yet, e.g. the weights
+        of fragments that have not synced, before a checkpoint keeps them."""
+        arrays = [v for _, v in tree_flatten(tree) if mx.issubdtype(v.dtype, mx.floating)]
+        with mx.stream(self.stream):
+            check = self._check(arrays)
+        with self._watched():
+            bad = [w for w, flag in enumerate(check[:, 1].tolist()) if flag]
+        if bad:
+            raise NonFiniteValues(bad, what, verb="holds")
 
     def gather_metric(self, values: mx.array) -> list:
         """Every worker's value of a per-worker measurement (e.g. its eval loss): (n_local,) -> a list

@@ -30,7 +30,7 @@ class SPARTA(Strategy):
         # so that the gather reads memory in order.
         rng = np.random.default_rng([self.index_seed, step])
         count = max(1, round(self.fraction * size))
-        return mx.array(np.sort(rng.choice(size, count, replace=False)))
+        return mx.array(np.sort(rng.choice(size, count, replace=False, shuffle=False)))
 
     def after_step(self, params, step):
         if self.fraction == 0:

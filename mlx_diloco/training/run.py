@@ -291,7 +291,8 @@ class Run:
                               worker_losses)
                 loss_sum, loss_count = 0, 0
             if self.step % self.checkpoint_every == 0 or self.step == c.steps:
-                self.save_checkpoint()
+                with self._stop_on_non_finite(self.step):
+                    self.save_checkpoint()
             if stop_after is not None and self.step >= stop_after:
                 break
         bar.close()
@@ -407,6 +408,9 @@ class Run:
 
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self):
+        # Weights not yet exchanged (other fragments', or with an exchange in flight) are checked here:
+        # a checkpoint never keeps a NaN that a resumed run would train on.
+        self.comm.check_finite(self.workers.params, "its weights")
         # Flat, and no other reference to the tree: the checkpoint drops each array once written.
         flat = dict(tree_flatten({"workers": {"params": self.workers.params, "inner": self.workers.optimizer.state},
                                   "strategy": self.strategy.state()}))
