@@ -5,7 +5,7 @@
         offload_outer=true fragments=11
 
 Arguments: a preset, a precision, then config keys and DiLoCo options as key=value. One worker,
-batch 4 x 512, 2 steps with a sync after each (as the README's 1B measurement). `Run.train` runs
+batch 4 x 512, 2 steps with a sync after each (as docs/memory.md's 1B measurement). `Run.train` runs
 as it is; each phase (the gradients, the inner step around them, the evaluations, the global
 model, the sync, the checkpoint) resets MLX's peak when it starts and prints it when it ends,
 nested phases indented (a phase's peak covers the phases nested in it).

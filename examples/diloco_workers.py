@@ -6,7 +6,7 @@ shard: more workers, more tokens. DDP with the same workers and tokens is the re
 
 About 40 minutes on a 2-core CPU (the 8-worker runs are most of it); run it again to resume. The
 DiLoCo part is `mlx-diloco sweep --problem shakespeare-home --grid workers=1,2,4,8 --grid
-sync_every=10,50` (README: "Sweeps").
+sync_every=10,50` (docs/gym.md: "Sweeps").
 """
 
 import argparse

@@ -3,8 +3,8 @@ H = 50, Thunderbolt): the inner steps each needs to reach an eval loss target, a
 
     .venv/bin/python examples/fashion_mnist.py [--steps 500] [--target 0.45] [--out runs/examples/fashion-mnist]
 
-Fashion-MNIST is found as `--data fashion-mnist` finds it (README: "Data"). About 2 minutes on a
-2-core CPU.
+Fashion-MNIST is found as `--data fashion-mnist` finds it (docs/gym.md: "Fashion-MNIST").
+About 2 minutes on a 2-core CPU.
 """
 
 import argparse

@@ -4,7 +4,7 @@
     .venv/bin/python examples/single_worker_diloco.py [--steps 2000] [--out runs/examples/single-worker]
 
 DiLoCo with one worker is AdamW plus an outer Nesterov step every H steps (a lookahead). The
-DiLoCo paper finds it ahead of AdamW; README's "The papers' claims" says where that holds here.
+DiLoCo paper finds it ahead of AdamW; docs/gym.md's "The papers' claims" says where that holds here.
 About 5 minutes per run of 2,000 steps on a 2-core CPU.
 """
 

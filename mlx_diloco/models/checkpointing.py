@@ -6,7 +6,7 @@ activation memory of one block instead of all of them, for a second forward pass
 MLX's CPU allocates an operation's output when it queues the operation, not when it runs it, so a
 pass evaluated as one graph holds many of its intermediates at once, however short-lived (in
 bf16, the layers' fp32 weight copies; in the backward pass, the blocks' fp32 weight gradients too;
-README, Memory). The passes here are cut at the blocks and each piece is evaluated before the next
+docs/memory.md). The passes here are cut at the blocks and each piece is evaluated before the next
 is queued:
 - `block_by_block()`: a forward pass evaluates each block's output before the next block.
 - `blockwise_value_and_grad`: the loss and gradients as `mx.value_and_grad` computes them, in

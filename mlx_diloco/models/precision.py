@@ -58,7 +58,8 @@ class Fp32MatmulEmbedding(nn.Embedding):
 def round_bf16_stochastically(x: mx.array) -> mx.array:
     """fp32 -> bf16, rounding up or down with probability given by the distance (unbiased): an
     update smaller than bf16's resolution still moves the weight on average. Rounded to nearest,
-    those updates are lost: small GPT, DiLoCo, 500 steps, eval loss +1.1% against fp32 (README)."""
+    those updates are lost: small GPT, DiLoCo, 500 steps, eval loss +1.1% against fp32
+    (docs/memory.md)."""
     noise = mx.random.randint(0, 1 << 16, x.shape, dtype=mx.uint32)
     return ((x.view(mx.uint32) + noise) & 0xFFFF0000).view(mx.float32).astype(mx.bfloat16)
 
