@@ -44,15 +44,21 @@ def plot_runs(run_dirs, out: Path, title: str = None) -> Path:
                  ("bytes_sent_per_worker", "bytes sent per worker")]
     fig, axes = plt.subplots(1, len(axes_keys), figsize=(5 * len(axes_keys), 4), sharey=True)
     for ax, (key, name) in zip(axes, axes_keys):
-        for d, rows in runs:
-            ax.plot([r[key] for r in rows], [r["eval_loss"] for r in rows], marker=".", label=run_label(rows, d))
-        ax.set_xlabel(name)
-        ax.grid(alpha=0.3)
-        if key in ("modelled_time_s", "bytes_sent_per_worker"):
-            spread_axis(ax, [r[key] for _, rows in runs for r in rows])
+        loss_curves(ax, [(run_label(rows, d), rows) for d, rows in runs], key, name)
     axes[0].set_ylabel("eval loss (global model)")
     axes[0].legend(fontsize=8)
     return save_figure(fig, out, title)
+
+
+def loss_curves(ax, curves, key: str, name: str):
+    """Eval loss against metrics `key` (axis label `name`), one curve per (label, metrics rows);
+    modelled time and bytes get a spread axis (they span decades from 0)."""
+    for label, rows in curves:
+        ax.plot([r[key] for r in rows], [r["eval_loss"] for r in rows], marker=".", label=label)
+    ax.set_xlabel(name)
+    ax.grid(alpha=0.3)
+    if key in ("modelled_time_s", "bytes_sent_per_worker"):
+        spread_axis(ax, [r[key] for _, rows in curves for r in rows])
 
 
 def check_image_name(out):

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from ..config import ConfigError, read_json
-from ..plot import amount_axis, save_figure, spread_axis
+from ..plot import amount_axis, loss_curves, save_figure
 from ..training.metrics import MetricsLog, human_bytes
 
 CARD = "scorecard.json"
@@ -141,15 +141,10 @@ def plot(cards: list, out: Path, title: str = None) -> Path:
     links = sorted({c["link"] for c in cards})
     keys = [("modelled_time_s", "modelled wall-clock (s)" + (f" on {links[0]}" if len(links) == 1 else "")),
             ("bytes_sent_per_worker", "bytes sent per worker"), amount_axis(runs)]
+    curves = [(c["label"] + (f" on {c['link']}" if len(links) > 1 else ""), rows) for c, rows in runs]
     for ax, (key, name) in zip(axes, keys):
-        for c, rows in runs:
-            ax.plot([r[key] for r in rows], [r["eval_loss"] for r in rows], marker=".",
-                    label=c["label"] + (f" on {c['link']}" if len(links) > 1 else ""))
-        ax.set_xlabel(name)
-        ax.grid(alpha=0.3)
+        loss_curves(ax, curves, key, name)
         ax.set_ylabel("eval loss (global model)")
-    spread_axis(axes[0], [r["modelled_time_s"] for _, rows in runs for r in rows])
-    spread_axis(axes[1], [r["bytes_sent_per_worker"] for _, rows in runs for r in rows])
     targets = {c["target_loss"] for c in cards if c.get("target_loss") is not None}
     for ax in axes:
         for t in targets:
