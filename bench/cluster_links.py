@@ -17,7 +17,6 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "cluster"))
 
 from mlx_diloco.blas import ensure_fast_blas  # noqa: E402
 
@@ -27,7 +26,7 @@ LINKS = {"1gbit": ("1gbit", "", "1gbit/0.05ms"), "100mbit": ("100mbit", "", "100
 
 
 def run_job(cluster, folder: Path, name: str, flags: list) -> dict:
-    from emulated import SECRET
+    from mlx_diloco.cluster.emulated import SECRET
     run_dir = folder / name
     result = subprocess.run([sys.executable, "-m", "mlx_diloco", "launch", f"--hosts={cluster.hosts_flag}",
                              "--run-dir", str(run_dir), *flags], capture_output=True, text=True,
@@ -76,7 +75,7 @@ def main():
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "cluster_links.txt"), help="where to save the table")
     args = p.parse_args()
     ensure_fast_blas([__file__, *sys.argv[1:]])
-    from emulated import EmulatedCluster, can_build
+    from mlx_diloco.cluster.emulated import EmulatedCluster, can_build
     from mlx_diloco.exchange.network import all_reduce_time, parse_link
     if why := can_build():
         raise SystemExit(f"cannot build the emulated cluster: {why}")

@@ -15,7 +15,6 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "cluster"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from mlx_diloco.blas import ensure_fast_blas  # noqa: E402
@@ -32,7 +31,7 @@ def main():
     args = p.parse_args()
     ensure_fast_blas([__file__, *sys.argv[1:]])
     from cluster_links import run_job, save_table
-    from emulated import EmulatedCluster, can_build
+    from mlx_diloco.cluster.emulated import EmulatedCluster, can_build
     if why := can_build():
         raise SystemExit(f"cannot build the emulated cluster: {why}")
 

@@ -8,7 +8,7 @@
 `loss_fn(model, x, y)` returns a scalar (the mlx-lm convention). The settings default to `sim`'s
 (config.TrainConfig): warmup -1 is a fifth of the run, at most 50 steps. Data is a tuple of arrays
 (inputs, targets) split along the first axis, or an iterable of (x, y) batches. The run is the
-same as `mlx-diloco sim`'s (train.Run): progress, metrics.jsonl, checkpoints and resume.
+same as `mlx-diloco sim`'s (training/run.py's Run): progress, metrics.jsonl, checkpoints and resume.
 
 `model` is an `nn.Module`, or what rebuilds one in another process: a preset name, a preset file,
 an mlx-lm model folder or an importable builder 'package.module:function'. Given one of those, an
@@ -28,7 +28,8 @@ import numpy as np
 
 from .config import ConfigError, TrainConfig, from_dict
 from .data.datasets import ArrayExamples, BatchStream, Dataset
-from .exchange.comm import SimCommunicator, replica
+from .exchange.comm import SimCommunicator
+from .exchange.worker_axis import replica
 from .exchange.network import modelled_time, parse_link
 from .models.zoo import build_model, load_spec
 from .strategies import Strategy, make_strategy

@@ -1,76 +1,16 @@
-"""Run configuration: one dataclass with every training setting, checked on the way in."""
+"""Run configuration: one dataclass with every training setting, checked on the way in.
 
-import difflib
-import json
+Below it: options.py (errors, typed values, did-you-mean), the strategies (whose options a flat
+config carries), exchange/network.py and training/speeds.py (which parse the link and the worker
+speeds). None of them imports this module; training/run.py's `resolve` turns a config into the
+run's (config, strategy, model spec)."""
+
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-
-class ConfigError(ValueError):
-    """Bad user input; the CLI prints it as one line and exits non-zero."""
-
-
-def read_json(path, what: str, fix: str):
-    """The JSON in file `path`, or one ConfigError line: `path` is not `what` (not text, or not
-    JSON, and where), and `fix`, what to pass instead."""
-    try:
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path} is not {what}: it is not text; {fix}") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path} is not {what}: not valid JSON ({e.msg} at line {e.lineno}); {fix}") from None
-
-
-def checked_value(name: str, value, kind, default=None):
-    """`value` as field type `kind` (bool, int, float or str), or a ConfigError naming the key and
-    a valid value (`value` written as `kind`, else `default`). An int is a float too; nothing else
-    is converted ("4" is not 4, 20.5 is not an int)."""
-    flag = name.replace("_", "-")
-    ok = {bool: lambda v: isinstance(v, bool),
-          int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-          str: lambda v: isinstance(v, str)}.get(kind)
-    if ok is None:  # a field of another type (a list, a dict): the dataclass checks it
-        return value
-    if not ok(value):
-        example = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}[kind]
-        raise ConfigError(f"{flag} must be {example}, not {json.dumps(value)}; "
-                          f"write e.g. \"{name}\": {json.dumps(valid_example(value, kind, default))}")
-    return float(value) if kind is float else value
-
-
-def valid_example(value, kind, default):
-    """What a wrong-typed `value` should have been: itself as `kind` where it reads as one
-    ("4" -> 4, "true" -> true, 4.0 -> 4), else `default` (a key's default is always valid)."""
-    text = str(value).strip().lower()
-    try:
-        if kind is bool and text in ("true", "false"):
-            return text == "true"
-        if kind is int and not isinstance(value, bool) and float(text) == int(float(text)):
-            return int(float(text))
-        if kind is float and not isinstance(value, bool):
-            return float(text)
-    except (ValueError, OverflowError):
-        pass
-    if isinstance(default, kind) and not (kind is int and isinstance(default, bool)):
-        return default
-    return {bool: True, int: 1, float: 1.0, str: "..."}[kind]
-
-
-def from_dict(cls, params, what: str):
-    """Build dataclass `cls` from `params`, rejecting unknown keys with a did-you-mean hint and
-    values of the wrong type with a line that names the key."""
-    if not isinstance(params, dict):
-        raise ConfigError(f"{what}s must be a JSON object ({{\"key\": value, ...}}), "
-                          f"not a {type(params).__name__}")
-    types = {f.name: f.type for f in fields(cls)}
-    for key in params:
-        if key not in types:
-            close = difflib.get_close_matches(key, list(types), n=1)
-            hint = f"did you mean '{close[0]}'?" if close else f"valid: {', '.join(types)}"
-            raise ConfigError(f"unknown {what} '{key}'; {hint}")
-    defaults = {f.name: f.default for f in fields(cls)}
-    return cls(**{k: checked_value(k, v, types[k], defaults[k]) for k, v in params.items()})
+from .exchange.network import parse_link
+from .options import ConfigError, did_you_mean, from_dict, read_json  # ConfigError: most callers import it from here
+from .training.speeds import Speeds
 
 
 PRECISIONS = ("fp32", "bf16")
@@ -128,7 +68,7 @@ class TrainConfig:
             config.strategy_options = {k: v for k, v in params.items() if k not in own}
             config.check_values()
             return config
-        from .strategies import STRATEGIES, strategy_class
+        from .strategies import STRATEGIES, strategy_class  # here, not on top: the agent reads configs without MLX
         name = params.get("strategy", cls.strategy)
         theirs = {f.name for f in fields(strategy_class(name))} if isinstance(name, str) else set()
         options = dict(params.get("strategy_options") or {})
@@ -139,9 +79,7 @@ class TrainConfig:
                 others = [n for n, c in STRATEGIES.items() if key in {f.name for f in fields(c)}]
                 if others:
                     raise ConfigError(f"'{key}' is an option of {', '.join(others)}, not of strategy {name}")
-                close = difflib.get_close_matches(key, sorted(own | theirs), n=1)
-                hint = f"did you mean '{close[0]}'?" if close else f"valid: {', '.join(sorted(own | theirs))}"
-                raise ConfigError(f"unknown config key '{key}'; {hint}")
+                raise ConfigError(f"unknown config key '{key}'; {did_you_mean(key, sorted(own | theirs))}")
         config = from_dict(cls, {k: v for k, v in params.items() if k in own and k != "strategy_options"},
                            what="config key")
         config.strategy_options = options
@@ -161,7 +99,7 @@ class TrainConfig:
 
     def make_strategy(self):
         """The strategy this config names, with its options (checked there)."""
-        from .strategies import make_strategy
+        from .strategies import make_strategy  # on call, as in from_dict: strategies import MLX
         return make_strategy(self.strategy, self.strategy_options)
 
     def warmup_steps(self) -> int:
@@ -183,7 +121,6 @@ class TrainConfig:
             raise ConfigError(f"speed-policy time needs a strategy that exchanges only at its syncs "
                               f"(diloco, fedavg, muloco; no ddp-warmup-steps), not {strategy.name}; "
                               "use --speed-policy fixed")
-        from .training.speeds import Speeds
         speeds, H = Speeds.of(self), strategy.sync_every
         if speeds and min(steps := speeds.steps_taken(H)) == 0:
             slow = steps.index(0)
@@ -209,9 +146,7 @@ class TrainConfig:
         for key in ("precision", "moments_precision"):
             need(getattr(self, key) in PRECISIONS,
                  f"{key.replace('_', '-')} must be one of {', '.join(PRECISIONS)} (got '{getattr(self, key)}')")
-        from .training.speeds import Speeds
         Speeds.of(self)  # the worker speeds and their policy
-        from .exchange.network import parse_link
         parse_link(self.link)  # a preset or 'BW[/LATENCY]'
         need(self.step_time >= 0, f"step-time must be >= 0 seconds, 0 to measure it (got {self.step_time})")
         need(self.memory_limit >= 0, f"memory-limit must be >= 0 GB, 0 for MLX's default (got {self.memory_limit})")

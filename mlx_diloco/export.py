@@ -6,7 +6,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .config import ConfigError, TrainConfig
-from .exchange.comm import replica
+from .exchange.worker_axis import replica
 from .models.zoo import ModelSpec, build_model
 from .strategies.diloco import DiLoCo
 from .training import checkpoint

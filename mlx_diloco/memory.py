@@ -120,7 +120,7 @@ def macs_it_fits(total_bytes: float) -> list:
 def shrinking(shape: Shape, o: MemoryOptions) -> list:
     """What makes a job smaller, in the order worth trying: bf16, checkpointing and offloading
     leave the loss as it is, Streaming DiLoCo's fragments (two blocks each; DiLoCo only) shrink the
-    sync and did better than DiLoCo in our runs, bf16 moments cost a little (README, Memory)."""
+    sync and did better than DiLoCo in our runs, bf16 moments cost a little (docs/memory.md)."""
     changes = [("precision", "bf16"), ("grad_checkpoint", True), ("offload_outer", True)]
     if o.strategy == "diloco":
         changes.append(("fragments", max(shape.blocks // 2, o.fragments, 1)))

@@ -85,7 +85,7 @@ def on_this_machine(shape, o: MemoryOptions, total: float, budget: float) -> str
     """Whether the job fits the `budget` bytes this machine offers, and the --memory-limit to
     train it with: never more than the machine has. MLX allocates each operation's output when it
     queues it, ahead of running it: unchecked, a step's peak can exceed what it needs by half
-    (README, Memory)."""
+    (docs/memory.md)."""
     def limit(total):
         return f"--memory-limit {min(total * 1.05, budget) / GB:.3g}"  # GB; 0 would mean no limit
     here = f"on this machine ({budget / GB:.1f} GB for training)"

@@ -8,9 +8,24 @@ from .config import ConfigError
 from .training.metrics import MetricsLog
 
 
+def label(strategy: str, options: dict, config: dict) -> str:
+    """A short name for a run: the strategy and what sets it apart."""
+    parts = [strategy]
+    if options.get("sync_every"):
+        parts.append(f"H={options['sync_every']}")
+    if options.get("fragments", 1) > 1:
+        parts.append(f"P={options['fragments']}")
+    if options.get("overlap_steps"):
+        parts.append(f"tau={options['overlap_steps']}")
+    if options.get("compress") not in (None, "fp16"):
+        parts.append(options["compress"])
+    if config.get("worker_speeds"):
+        parts.append(f"{config.get('speed_policy', 'fixed')}-paced")
+    return " ".join(parts)
+
+
 def run_label(rows, path) -> str:
     """'diloco x2 H=10 P=2 tau=2 int4 (run folder)': what sets the run apart, and where it is."""
-    from .gym.scorecard import label
     r = rows[-1]
     config_file = Path(path) / "config.json" if Path(path).is_dir() else Path(path).parent / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}

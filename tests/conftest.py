@@ -1,10 +1,7 @@
 import os
 import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cluster"))  # emulated.py
 
 # Keep the token cache of the whole test session in one temporary folder.
 @pytest.fixture(scope="session", autouse=True)

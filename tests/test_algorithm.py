@@ -103,7 +103,7 @@ def test_a_short_last_round_lands_on_the_workers_mean(tmp_path):
     momentum of full rounds would carry the global model past the workers, so it becomes their
     mean, and the outer momentum is left as the last full round made it."""
     run = make_run(tmp_path, "r", strategy="diloco", compress="fp32", steps=10, outer_lr=0.7, outer_momentum=0.9)
-    fragment = run.strategy.parts[0]
+    fragment = run.strategy.model_fragments[0]
     for step in range(1, 11):
         run.step = step
         run.workers.step(*run.next_batch(), run.strategy, step)

@@ -89,7 +89,7 @@ def test_a_model_mlx_cannot_vmap_trains_one_replica_after_another(tmp_path):
 
 
 def test_a_new_strategy_in_one_short_file(tmp_path):
-    """README's example: DiLoCo with an outer Adam, in examples/outer_adam.py."""
+    """docs/strategies.md's example: DiLoCo with an outer Adam, in examples/outer_adam.py."""
     from outer_adam import OuterAdam
     assert len((ROOT / "examples" / "outer_adam.py").read_text().splitlines()) < 40
     x, y = blobs()

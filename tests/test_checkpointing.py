@@ -6,7 +6,7 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_diloco.exchange.comm import replica
+from mlx_diloco.exchange.worker_axis import replica
 from mlx_diloco.models.checkpointing import block_by_block, blockwise_value_and_grad, checkpoint_blocks
 from mlx_diloco.models.precision import to_bf16
 from mlx_diloco.models.zoo import ModelSpec, build_model, load_spec

@@ -13,7 +13,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from conftest import tiny_config
-from emulated import SECRET, EmulatedCluster, can_build
+from mlx_diloco.cluster.emulated import SECRET, EmulatedCluster, can_build
 from mlx_diloco.exchange.comm import SimCommunicator
 from mlx_diloco.export import load_trained_model
 from mlx_diloco.training.run import Run

@@ -12,7 +12,8 @@ from mlx.utils import tree_flatten
 from scipy.fft import dct, idct
 
 from conftest import tiny_config
-from mlx_diloco.exchange.comm import SimCommunicator, stack_copies
+from mlx_diloco.exchange.comm import SimCommunicator
+from mlx_diloco.exchange.worker_axis import stack_copies
 from mlx_diloco.strategies import DeMo
 from mlx_diloco.training.run import Run
 

@@ -163,7 +163,7 @@ def test_plot_axes_and_labels_say_what_the_runs_are(tmp_path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from mlx_diloco.plot import run_label, spread_axis, value_axis
+    from mlx_diloco.plot import label, run_label, spread_axis, value_axis
     fig, (a, b, c, d) = plt.subplots(1, 4)
     value_axis(a, [10, 20, 30])  # H: a tick at each value (a log2 axis ticked only "2^4" before)
     assert a.get_xscale() == "linear" and [t.get_text() for t in a.get_xticklabels()] == ["10", "20", "30"]
@@ -177,6 +177,6 @@ def test_plot_axes_and_labels_say_what_the_runs_are(tmp_path):
     assert d.get_xscale() == "linear"
     plt.close(fig)
     options = {"sync_every": 10, "fragments": 2, "overlap_steps": 2, "compress": "int4"}
-    assert scorecard.label("diloco", options, {}) == "diloco H=10 P=2 tau=2 int4"
+    assert label("diloco", options, {}) == "diloco H=10 P=2 tau=2 int4"
     rows = [{"strategy": "diloco", "workers": 2, "strategy_options": options}]  # a streaming run read as plain DiLoCo
     assert run_label(rows, tmp_path / "run") == "diloco x2 H=10 P=2 tau=2 int4 (run)"

@@ -12,8 +12,9 @@ import pytest
 from mlx.utils import tree_flatten, tree_map
 
 from conftest import run_cli, tiny_config
-from emulated import SECRET, EmulatedCluster, can_build
-from mlx_diloco.exchange.comm import SimCommunicator, stack_copies
+from mlx_diloco.cluster.emulated import SECRET, EmulatedCluster, can_build
+from mlx_diloco.exchange.comm import SimCommunicator
+from mlx_diloco.exchange.worker_axis import stack_copies
 from mlx_diloco.memory import GB, MemoryOptions, estimate, make_it_fit, model_shape
 from mlx_diloco.models.zoo import ModelSpec, build_model, load_spec
 from mlx_diloco.strategies.diloco import DiLoCo
@@ -47,8 +48,8 @@ def test_checkpointing_and_offloading_change_memory_not_results(tmp_path):
     ref, ref_summary = train(tmp_path, "in-memory", **streaming)
     run, summary = train(tmp_path, "offloaded", offload_outer=True, **streaming)
     assert summary["final_eval_loss"] == ref_summary["final_eval_loss"]
-    assert all(f.store.file and os.path.exists(f.store.file) for f in run.strategy.parts)
-    assert "p" not in run.strategy.parts[0].outer.state  # the momentum lives in the file between syncs
+    assert all(f.store.file and os.path.exists(f.store.file) for f in run.strategy.model_fragments)
+    assert "p" not in run.strategy.model_fragments[0].outer.state  # the momentum lives in the file between syncs
     # interrupted with an exchange in flight and resumed: the same end as the straight run
     part = Run(tiny_config(offload_outer=True, **streaming), tmp_path / "cut", SimCommunicator(2), log=lambda m: None)
     part.train(stop_after=9)

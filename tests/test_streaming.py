@@ -162,7 +162,7 @@ def test_streaming_resume_is_exact(tmp_path):
     first = Run(config, tmp_path / "split", SimCommunicator(2), **QUIET)
     first.train(stop_after=15)
     resumed = Run(config, tmp_path / "split", SimCommunicator(2), resume=True, **QUIET)
-    assert resumed.step == 8 and resumed.strategy.parts[1].pending is not None  # in flight: restarted
+    assert resumed.step == 8 and resumed.strategy.model_fragments[1].pending is not None  # in flight: restarted
     resumed.train()
     a = flat({"g": straight.global_params(), "l": straight.workers.params, "s": straight.strategy.state()})
     b = flat({"g": resumed.global_params(), "l": resumed.workers.params, "s": resumed.strategy.state()})
@@ -175,7 +175,7 @@ def test_error_feedback_carries_what_compression_lost(tmp_path):
     config = tiny_config(steps=8, sync_every=4, compress="int2", error_feedback=True)
     run = Run(config, tmp_path / "r", SimCommunicator(2), **QUIET)
     run.train(stop_after=4)
-    (fragment,) = run.strategy.parts
+    (fragment,) = run.strategy.model_fragments
     assert fragment.error.shape == (2, run.n_params) and float(mx.abs(fragment.error).max()) > 0
 
 

@@ -128,8 +128,8 @@ class Launcher:
     # ------------------------------------------------------------ setup
     @classmethod
     def new(cls, config: TrainConfig, found: list, run_dir: Path, secret: bytes, options: Options, log=print):
-        from ..training.run import resolve_config
-        run_dir, config = Path(run_dir), resolve_config(config)
+        from ..training.run import resolve
+        run_dir, config = Path(run_dir), resolve(config).config
         if (run_dir / "launch.json").exists():
             raise ConfigError(f"{run_dir} already holds a job; pass --resume to continue it, or another --run-dir")
         reachable, agents = [], []

@@ -32,6 +32,8 @@ unit included; the byte accounting and the network model both use it.
 
 import mlx.core as mx
 
+from ..options import ConfigError
+
 GROUP = 128  # values per quantization group: fp16 scale (and bias) cost 2-4 bytes per 128 values
 UNIT_BYTES = 4  # one float32 power of two per message
 CHECK_BYTES = 8  # per worker before every exchange (comm.py): its largest magnitude and non-finite count, float32
@@ -237,7 +239,6 @@ VARIANTS = {c.name: c for r in ROUNDINGS for c in _quantized(r, f"-{r}")}    # e
 
 
 def get_codec(name: str) -> Codec:
-    from ..config import ConfigError
     codec = CODECS.get(name) or VARIANTS.get(name)
     if codec is None:
         raise ConfigError(f"unknown codec '{name}'; choose one of {', '.join(CODECS)} "

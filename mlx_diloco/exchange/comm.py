@@ -33,9 +33,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlx.utils import tree_flatten
 
 from .codecs import CHECK_BYTES, Codec, get_codec, unit_of
+from .worker_axis import flatten_workers, stack_copies, unflatten
 
 
 class NonFiniteValues(RuntimeError):
@@ -46,43 +47,6 @@ class NonFiniteValues(RuntimeError):
         self.workers, self.tag = sorted(workers), tag
         who = f"worker {self.workers[0]}" if len(self.workers) == 1 else f"workers {', '.join(map(str, self.workers))}"
         super().__init__(f"{who} {verb} non-finite values (NaN or inf)" + (f" in {tag}" if tag else ""))
-
-
-def stack_copies(tree, n: int):
-    """The same values for n workers, on a new leading axis."""
-    return tree_map(lambda x: mx.broadcast_to(x[None], (n, *x.shape)), tree)
-
-
-def replica(tree, i: int = 0):
-    """Worker i's values of a tree of (n, ...) arrays, as views: MLX copies on an integer index
-    (`x[i]`: a whole model's worth of memory for a model's parameters), not on a slice."""
-    return tree_map(lambda x: x[i:i + 1].reshape(x.shape[1:]), tree)
-
-
-def placeholders(tree):
-    """Unevaluated zeros shaped like `tree`: its shapes and dtypes without its memory."""
-    return tree_map(lambda x: mx.zeros(x.shape, x.dtype), tree)
-
-
-def flatten_workers(tree):
-    """A tree of (n, ...) arrays -> one (n, L) float32 buffer, and how to undo it."""
-    flat = tree_flatten(tree)
-    n = flat[0][1].shape[0]
-    shapes = [(k, v.shape[1:]) for k, v in flat]
-    buffer = mx.concatenate([v.reshape(n, -1).astype(mx.float32) for _, v in flat], axis=1)
-    return buffer, shapes
-
-
-def unflatten(buffer, shapes):
-    """(..., L) -> the tree `flatten_workers` described, with the buffer's leading axes (if any)."""
-    out, offset, lead = [], 0, buffer.shape[:-1]
-    for key, shape in shapes:
-        size = 1
-        for d in shape:
-            size *= d
-        out.append((key, buffer[..., offset:offset + size].reshape(*lead, *shape)))
-        offset += size
-    return tree_unflatten(out)
 
 
 def exchange_plan(codec: Codec, length: int, workers: int):

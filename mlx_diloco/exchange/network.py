@@ -8,7 +8,7 @@ ring: 2(M-1) steps of one encoded chunk. comm.exchange_plan says which one an ex
 import re
 from dataclasses import dataclass
 
-from ..config import ConfigError
+from ..options import ConfigError
 
 
 @dataclass(frozen=True)

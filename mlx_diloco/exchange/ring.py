@@ -16,7 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..config import ConfigError
+from ..options import ConfigError
 from .comm import Communicator, SimCommunicator
 from .watchdog import watchdog
 

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from ..config import ConfigError, read_json
-from ..plot import amount_axis, loss_curves, save_figure
+from ..plot import amount_axis, label, loss_curves, save_figure
 from ..training.metrics import MetricsLog, human_bytes
 
 CARD = "scorecard.json"
@@ -46,22 +46,6 @@ def scorecard(run_dir, problem=None, target_loss: float = None) -> dict:
         "wall_s": last["wall_s"], "strategy_options": options,
         "worker_speeds": config.get("worker_speeds", ""), "speed_policy": config.get("speed_policy", "fixed"),
     }
-
-
-def label(strategy: str, options: dict, config: dict) -> str:
-    """A short name for a run: the strategy and what sets it apart."""
-    parts = [strategy]
-    if options.get("sync_every"):
-        parts.append(f"H={options['sync_every']}")
-    if options.get("fragments", 1) > 1:
-        parts.append(f"P={options['fragments']}")
-    if options.get("overlap_steps"):
-        parts.append(f"tau={options['overlap_steps']}")
-    if options.get("compress") not in (None, "fp16"):
-        parts.append(options["compress"])
-    if config.get("worker_speeds"):
-        parts.append(f"{config.get('speed_policy', 'fixed')}-paced")
-    return " ".join(parts)
 
 
 def save(card: dict, run_dir) -> Path:

@@ -51,11 +51,11 @@ def run_sweep(base: dict, points: list, out: Path, train, problem=None, target_l
     """Train every point (a dict of keys laid over `base`; `train(config, run_dir, resume)` returns
     when the run is done) and return the scorecards, scored against the problem's target loss
     (or `target_loss`). Every point's config is checked before the first one trains."""
-    from ..training.run import resolve_config
+    from ..training.run import resolve
     out = Path(out)
     configs = [(p, TrainConfig.from_dict({**base, **p})) for p in points]
     for _, config in configs:
-        resolve_config(config)  # and against its model (a preset's name, its context), before anything is written
+        resolve(config)  # and against its model (a preset's name, its context), before anything is written
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps({"base": base, "points": points}, indent=1))
     cards = []

@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 import mlx.nn as nn
 
-from ..config import from_dict
+from ..options import from_dict
 
 
 @dataclass

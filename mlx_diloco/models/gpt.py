@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 
-from ..config import from_dict
+from ..options import from_dict
 from .fastmath import softmax
 
 

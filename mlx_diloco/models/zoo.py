@@ -10,7 +10,6 @@ returns an mlx.nn.Module; a `preset` dict on the function gives what the run nee
 On a cluster the module must be importable on every machine.
 """
 
-import difflib
 import inspect
 import json
 import re
@@ -21,7 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..config import ConfigError, read_json
+from ..options import ConfigError, did_you_mean, read_json
 
 
 @dataclass
@@ -119,9 +118,8 @@ def mlx_lm_classes(spec: ModelSpec):
     known = set(inspect.signature(args_cls).parameters)
     for key in spec.params:
         if key not in known | {"type"}:
-            close = difflib.get_close_matches(key, sorted(known), n=1)
-            hint = f"did you mean '{close[0]}'?" if close else f"valid: {', '.join(sorted(known))}"
-            raise ConfigError(f"model preset '{spec.name}': {spec.type} has no option '{key}'; {hint}")
+            raise ConfigError(f"model preset '{spec.name}': {spec.type} has no option '{key}'; "
+                              f"{did_you_mean(key, sorted(known))}")
     return model_cls, args_cls
 
 

@@ -1,8 +1,8 @@
 """The strategy zoo: each strategy one file, all written once against the communication
 interface (exchange/comm.py), so each runs in the simulator and on a real cluster. `base.py` says what a
-strategy implements; README's "Writing a strategy" shows a new one in a page."""
+strategy implements; docs/strategies.md's "Writing a strategy" shows a new one in a page."""
 
-from ..config import ConfigError
+from ..options import ConfigError
 from .base import Strategy, option
 from .ddp import DDP
 from .demo import DeMo

@@ -17,15 +17,14 @@ Parameters and gradients carry a leading local-worker axis (see exchange/comm.py
 inner step counter, which every worker agrees on, so a sync schedule can never drift.
 """
 
-import difflib
 from dataclasses import asdict, field, fields
 
 import mlx.core as mx
 import mlx.optimizers as optim
 
-from ..config import ConfigError, checked_value
-from ..exchange.comm import replica
+from ..exchange.worker_axis import replica
 from ..models.precision import round_bf16_stochastically
+from ..options import ConfigError, checked_value, did_you_mean
 
 
 def option(default, help: str, **kwargs):
@@ -82,9 +81,8 @@ class Strategy:
         names = [f.name for f in fields(cls)] if hasattr(cls, "__dataclass_fields__") else []
         for key in options:
             if key not in names:
-                close = difflib.get_close_matches(key, names, n=1)
-                hint = f"did you mean '{close[0]}'?" if close else f"its options: {', '.join(names) or 'none'}"
-                raise ConfigError(f"strategy {cls.name} has no option '{key}'; {hint}")
+                raise ConfigError(f"strategy {cls.name} has no option '{key}'; "
+                                  f"{did_you_mean(key, names, valid='its options')}")
         return super().__new__(cls)
 
     def __post_init__(self):

@@ -15,7 +15,8 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..exchange.codecs import get_codec
-from ..exchange.comm import placeholders
+from ..exchange.worker_axis import placeholders
+from ..options import ConfigError
 from .base import Strategy, mean_gradients, option
 from .fragments import Fragment, gather, global_tree, offload_folder, partition
 
@@ -52,7 +53,6 @@ class DiLoCo(Strategy):
         self.require(self.ddp_warmup_steps >= 0, f"ddp-warmup-steps must be >= 0 (got {self.ddp_warmup_steps})")
 
     def check_model(self, spec):
-        from ..config import ConfigError
         if self.fragments > max(spec.num_blocks, 1):
             raise ConfigError(f"{self.fragments} fragments but model '{spec.name}' has {spec.num_blocks} blocks; "
                               f"pass --fragments {max(spec.num_blocks, 1)} or fewer")
@@ -74,7 +74,7 @@ class DiLoCo(Strategy):
         flat = {k: v[None] for k, v in tree_flatten(params)}
         # Scratch files for the offloaded outer state, removed with the strategy.
         self.offload_dir = offload_folder() if self.offload_outer else None
-        self.parts = [  # one Fragment (its global values, outer state, exchange) per part of the model
+        self.model_fragments = [  # one Fragment (its global values, outer state, exchange) per part of the model
             Fragment(p, pieces, gather(flat, pieces)[0], self.outer_optimizer(), H, offset=H * (p + 1) // P % H,
                      delay=self.overlap_steps, alpha=self.alpha, codec=get_codec(self.compress),
                      error_feedback=self.error_feedback, n_local=self.comm.n_local,
@@ -91,27 +91,27 @@ class DiLoCo(Strategy):
         if step <= K:  # data parallel: the replicas are equal, and at the end of it the global model
             if step == K or step == self.steps:
                 flat = {k: v[:1] for k, v in tree_flatten(params)}
-                for f in self.parts:
+                for f in self.model_fragments:
                     f.global_values = gather(flat, f.pieces)[0]
             return params
         final = step == self.steps
-        if not final and not any(f.is_send_step(step - K) or f.apply_at == step for f in self.parts):
+        if not final and not any(f.is_send_step(step - K) or f.apply_at == step for f in self.model_fragments):
             return params  # most steps: nothing to sync
         flat = dict(tree_flatten(params))
         del params  # flat holds the only references (Workers.take_params): each goes as it is replaced
         if final:  # the end: land what is in flight, then sync every fragment now
-            for f in self.parts:
+            for f in self.model_fragments:
                 if f.pending is not None:
                     flat = f.perform_sync(flat)
                 f.prepare_sync(flat, self.comm, step, self.sync_weights)
                 flat = f.perform_sync(flat, final=True, short_round=f.round_length(step - K) < self.sync_every)
         else:
-            for f in self.parts:   # every worker starts the fragments' exchanges in the same order
+            for f in self.model_fragments:   # every worker starts the fragments' exchanges in the same order
                 if f.is_send_step(step - K):
                     f.prepare_sync(flat, self.comm, step, self.sync_weights)
                     if f.apply_at == step:  # no overlap: land it now, so that fragments syncing at
                         flat = f.perform_sync(flat)  # one step (H < P) hold one's buffers at a time
-            for f in self.parts:
+            for f in self.model_fragments:
                 if f.pending is not None and f.apply_at == step:
                     flat = f.perform_sync(flat)
         return tree_unflatten(list(flat.items()))
@@ -119,13 +119,13 @@ class DiLoCo(Strategy):
     def global_params(self, params):
         # A generator: an offloaded fragment's values are read from its file when their turn comes,
         # and dropped after (a list would keep every fragment's fp32 values: 4.4 GB for llama-1b).
-        return global_tree(self.template, ((f.pieces, f.global_values) for f in self.parts))
+        return global_tree(self.template, ((f.pieces, f.global_values) for f in self.model_fragments))
 
     def state(self):
-        return {"fragments": [f.state() for f in self.parts]}
+        return {"fragments": [f.state() for f in self.model_fragments]}
 
     def load_state(self, state):
-        for f in self.parts:
+        for f in self.model_fragments:
             f.load_state(state["fragments"][f.index], self.comm)
 
     @staticmethod

@@ -23,8 +23,9 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..exchange.codecs import Codec
-from ..exchange.comm import replica
+from ..exchange.worker_axis import replica
 from ..models.zoo import BLOCK
+from ..options import ConfigError
 
 
 
@@ -40,7 +41,6 @@ def partition(params, P: int, order: str = "strided") -> list:
     flat = tree_flatten(params)
     blocks = sorted({int(m.group(1)) for k, _ in flat if (m := BLOCK.search(k))})
     if P > max(len(blocks), 1):
-        from ..config import ConfigError
         raise ConfigError(f"{P} fragments but the model has {len(blocks)} blocks; pass --fragments "
                           f"{max(len(blocks), 1)} or fewer")
     if order == "strided":

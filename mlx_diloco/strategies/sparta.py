@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..exchange.codecs import get_codec
-from ..exchange.comm import flatten_workers, unflatten
+from ..exchange.worker_axis import flatten_workers, unflatten
 from .base import Strategy, option
 
 

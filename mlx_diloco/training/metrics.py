@@ -1,4 +1,5 @@
-"""Run metrics: one JSON line per evaluation (metrics.jsonl), and the run's summary."""
+"""A run's metrics file (metrics.jsonl, one JSON row per evaluation): written, trimmed on resume,
+and read back; and byte counts as people read them."""
 
 import json
 from pathlib import Path

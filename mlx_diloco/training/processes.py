@@ -108,7 +108,7 @@ def failure(procs: list, logs: list, errors: list, run_dir: Path) -> str:
 def run_processes(config: TrainConfig, run_dir: Path, processes: int, resume: bool = False,
                   collective_timeout: float = 60.0, log=print):
     """Train `config` in `processes` local processes; returns when all have finished."""
-    from .run import check_new_run_dir, load_data, resolve_config
+    from .run import check_new_run_dir, load_data, resolve
     from ..models.zoo import load_spec
     K, run_dir = processes, Path(run_dir)
     if config.workers % K:
@@ -117,7 +117,7 @@ def run_processes(config: TrainConfig, run_dir: Path, processes: int, resume: bo
     step = resume_step(run_dir, log) if resume else None
     if not resume:
         check_new_run_dir(run_dir)
-    config = resolve_config(config)
+    config = resolve(config).config
     load_data(config, load_spec(config.model), log=log)  # tokenize once here: the processes read the cache
     log(f"{config.strategy} with {config.workers} simulated workers in {K} processes, model {config.model}, "
         f"data {config.data} -> {run_dir}")

@@ -48,9 +48,18 @@ def check_new_run_dir(run_dir: Path):
                           "or choose another --run-dir")
 
 
-def resolve_config(config: TrainConfig) -> TrainConfig:
-    """The config as the run will use and record it: local paths made absolute (so the run folder
-    works from any directory), seq-len 0 replaced by the model's context; checked against the model."""
+@dataclass
+class Resolved:
+    """What a config names, built and checked together once (`resolve`)."""
+    config: TrainConfig           # as the run will use and record it
+    strategy: object              # the run's strategies.Strategy, with the config's options
+    spec: object                  # the model's modelzoo.ModelSpec
+
+
+def resolve(config: TrainConfig) -> Resolved:
+    """The config as the run will use and record it (local paths made absolute, so the run folder
+    works from any directory; seq-len 0 replaced by the model's context), with its strategy and
+    model spec, each checked against the others."""
     def absolute(path: str, names=()):
         return str(Path(path).resolve()) if path and path not in names and Path(path).exists() else path
     config = replace(config, model=absolute(config.model) if Path(config.model).is_dir() or
@@ -63,13 +72,14 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
     if not arrays and spec.is_language_model == images:
         raise ConfigError(f"model '{config.model}' does not fit data '{config.data}': "
                           "the cnn preset trains on fashion-mnist, language models on text")
-    config.make_strategy().check_model(spec)
+    strategy = config.make_strategy()
+    strategy.check_model(spec)
     if config.seq_len == 0 and spec.is_language_model and not arrays:
         config = replace(config, seq_len=min(spec.context_length, DEFAULT_MAX_SEQ_LEN))
     if spec.is_language_model and config.seq_len > spec.context_length:
         raise ConfigError(f"seq-len {config.seq_len} exceeds model '{config.model}' context "
                           f"{spec.context_length}; pass --seq-len {spec.context_length} or less")
-    return config
+    return Resolved(config, strategy, spec)
 
 
 def load_data(config: TrainConfig, spec, log=print, shard_dir=None):
@@ -96,14 +106,13 @@ class Parts:
     spec: object = None           # a modelzoo.ModelSpec, for runs of presets (checkpoints record it)
 
 
-def parts_from_config(config: TrainConfig, log=print, shard_dir=None) -> Parts:
-    """The model, data and strategy a config names (the CLI, the cluster worker); the config has
-    been through resolve_config, which checked the strategy against the model."""
-    spec = load_spec(config.model)
+def parts_from_config(resolved: Resolved, log=print, shard_dir=None) -> Parts:
+    """The model, data and strategy a resolved config names (the CLI, the cluster worker)."""
+    config, spec = resolved.config, resolved.spec
     data = load_data(config, spec, log=log, shard_dir=shard_dir)
     loss = import_builder(config.loss, "loss function") if config.loss else None
     # "auto": vmapped unless MLX cannot vmap the model (conv2d's gradient), which the first step shows.
-    return Parts(build_model(spec, seed=config.seed), data, config.make_strategy(), loss=loss,
+    return Parts(build_model(spec, seed=config.seed), data, resolved.strategy, loss=loss,
                  vectorize="auto" if config.vectorize else False, spec=spec)
 
 
@@ -123,7 +132,7 @@ def memory_limit(gb: float):
     """MLX keeps to `gb` while training (0: MLX's default). MLX's CPU queues a graph's operations
     ahead of running them, allocating each output as it is queued: without a limit, a step can
     hold every intermediate at once (20 chained matmuls: 763 MB above the weights, 109 MB under a
-    limit; README, Memory). Past the limit, MLX waits for queued work to finish first."""
+    limit; docs/memory.md). Past the limit, MLX waits for queued work to finish first."""
     if not gb:
         yield
         return
@@ -148,10 +157,11 @@ class Run:
             config = config or saved_config(self.checkpoint_dir)
         elif reporter:
             check_new_run_dir(self.run_dir)
-        self.config = config = resolve_config(config) if parts is None else config
+        resolved = resolve(config) if parts is None else None
+        self.config = config = resolved.config if resolved else config
         if comm.num_workers != config.workers:
             raise ConfigError(f"the job has {comm.num_workers} workers but the config says {config.workers}")
-        parts = parts or parts_from_config(config, log, place.shard_dir)
+        parts = parts or parts_from_config(resolved, log, place.shard_dir)
         self.spec, self.data, model = parts.spec, parts.data, parts.model
         if config.precision == "bf16":
             to_bf16(model)

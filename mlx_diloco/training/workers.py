@@ -11,7 +11,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
 from ..config import ConfigError
-from ..exchange.comm import placeholders, replica, stack_copies
+from ..exchange.worker_axis import placeholders, replica, stack_copies
 from ..models import fastmath
 from ..models.checkpointing import block_by_block, blockwise_value_and_grad
 

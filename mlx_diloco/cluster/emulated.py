@@ -1,5 +1,6 @@
-"""An emulated cluster for tests and benches: hosts as Linux network namespaces (netns-cluster.sh,
-next to this file), each running a real `mlx-diloco agent`. Needs root; CI runs as root."""
+"""An emulated cluster for tests and benches: hosts as Linux network namespaces (the operator's
+cluster/netns-cluster.sh, in a source checkout), each running a real `mlx-diloco agent`. Needs
+root; CI runs as root."""
 
 import json
 import os
@@ -10,8 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent / "netns-cluster.sh"
-from mlx_diloco.cluster.protocol import DEFAULT_PORT as PORT
+from .discovery import AgentClient, Found
+from .protocol import DEFAULT_PORT as PORT, NO_LOG
+
+SCRIPT = Path(__file__).resolve().parents[2] / "cluster" / "netns-cluster.sh"
 
 SECRET = "test-cluster-secret-0123456789"
 
@@ -24,6 +27,8 @@ def can_build() -> str:
         return "network namespaces need root (CI runs as root)"
     if not shutil.which("ip"):
         return "the 'ip' command (iproute2) is missing"
+    if not SCRIPT.is_file():
+        return f"{SCRIPT} is missing: the emulated cluster runs from a source checkout"
     return ""
 
 
@@ -87,10 +92,8 @@ class EmulatedCluster:
             return None
 
     def worker_pid(self, i: int) -> int:
-        from mlx_diloco.cluster import protocol
-        from mlx_diloco.cluster.discovery import AgentClient, Found
         client = AgentClient(Found(self.address(i), PORT), SECRET.encode())
-        return client.request("status", job=self.job_folder(i).name, metrics_from=0, log_from=protocol.NO_LOG)["pid"]
+        return client.request("status", job=self.job_folder(i).name, metrics_from=0, log_from=NO_LOG)["pid"]
 
     def close(self):
         for p in self.agents.values():
