@@ -69,8 +69,10 @@ def cumulative_error(codec_name: str, M: int, feedback: bool, rounds: int = 30, 
 
 def main():
     names = list(codecs.CODECS) + list(getattr(codecs, "VARIANTS", {}))
-    default = getattr(codecs, "DEFAULT_ROUNDING", "nearest")
-    print(f"1. round trips of {N:,} values (one message); quantized codecs round '{default}' unless named")
+    default = getattr(codecs, "DEFAULT_ROUNDING", "nearest")  # (the starting code had one rounding for all)
+    if isinstance(default, dict):
+        default = ", ".join(f"{name} {rounding}" for name, rounding in default.items())
+    print(f"1. round trips of {N:,} values (one message); a plain name rounds by default ({default})")
     print(f"{'codec':16}" + "".join(f"{f's={s:g}':>9}" for s in SIGMAS)
           + f"{'t(df=2)':>9}{'bias':>9}{'1e30:NaN':>9}{'B/value':>9}")
     for name in names:
@@ -80,7 +82,8 @@ def main():
 
     print("\n2. error feedback: cumulative error of the global model after 30 rounds (H=1, outer lr 1, no momentum)")
     print(f"{'codec':16}{'M':>3}{'without':>10}{'with':>10}{'ratio':>8}")
-    ef_names = ["int4", "e3m0", "int2"] + [n for n in ("int4-stochastic", "e3m0-stochastic", "int2-stochastic") if n in names]
+    ef_names = ["int4", "e3m0", "int2"] + [f"{n}-{r}" for n in ("int4", "e3m0", "int2") for r in ("nearest", "stochastic")
+                                           if f"{n}-{r}" in names]
     for name in ef_names:
         for M in (2, 3, 4, 8):
             without, with_ = cumulative_error(name, M, False), cumulative_error(name, M, True)

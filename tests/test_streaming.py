@@ -10,7 +10,7 @@ from mlx.utils import tree_flatten
 
 from conftest import tiny_config
 from mlx_diloco.training import checkpoint
-from mlx_diloco.exchange.codecs import CODECS, E3M0, GROUP
+from mlx_diloco.exchange.codecs import CODECS, E3M0, GROUP, get_codec
 from mlx_diloco.exchange.comm import SimCommunicator
 from mlx_diloco.strategies.fragments import partition
 from mlx_diloco.models.zoo import build_model, load_spec
@@ -39,7 +39,9 @@ def test_bytes_per_parameter_and_errors_order():
     assert round(per_param["fp16"], 3) == 2 and per_param["int4"] <= 0.55  # fp16: + a 4-byte unit per message and per_param["e3m0"] <= 0.55
     error = {n: (mx.linalg.norm(c.roundtrip(x) - x) / mx.linalg.norm(x)).item() for n, c in CODECS.items()}
     assert error["fp32"] == 0 and error["fp16"] < 1e-3 < error["int8"] < 0.01 < error["int4"] < error["int2"] < 0.5
-    assert error["e3m0"] < 0.25
+    nearest = get_codec("e3m0-nearest")
+    assert (mx.linalg.norm(nearest.roundtrip(x) - x) / mx.linalg.norm(x)).item() < 0.25
+    assert error["e3m0"] < 0.3  # e3m0 rounds stochastically by default: unbiased, 1.4x the error
 
 
 def test_e3m0_represents_powers_of_two_exactly():
@@ -56,20 +58,21 @@ def test_e3m0_represents_powers_of_two_exactly():
 # ---------------------------------------------------------------- the exchange
 
 @pytest.mark.parametrize("M", [2, 3, 4, 8])
-@pytest.mark.parametrize("name", ["fp32", "int8", "int4", "e3m0"])
+@pytest.mark.parametrize("name", ["fp32", "int8", "int4", "e3m0", "e3m0-nearest"])
 def test_mean_over_workers_and_bytes_sent(M, name):
     L = 24_000
     comm = SimCommunicator(M)
     x = mx.random.normal((M, L), key=mx.random.key(M)) * 0.01
     got = np.array(comm.start_mean(x, name).result())
     want = np.array(x).mean(axis=0)
-    tol = {"fp32": 1e-6, "int8": 0.02, "int4": 0.25, "e3m0": 0.45}[name]  # the ring re-encodes partial sums
+    # the ring re-encodes partial sums; e3m0 rounds stochastically by default (unbiased, ~1.5x the error)
+    tol = {"fp32": 1e-6, "int8": 0.02, "int4": 0.25, "e3m0": 0.7, "e3m0-nearest": 0.45}[name]
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < tol
     (record,) = comm.drain_records()
-    assert record.payload_bytes == CODECS[name].wire_bytes(L)
+    assert record.payload_bytes == get_codec(name).wire_bytes(L)
     expected = {"fp32": "all_reduce", "int8": "all_gather" if M == 2 else "quantized_ring"}
     assert record.algorithm == expected.get(name, expected["int8"])
-    if name in ("int4", "e3m0"):  # the bound: 2(M-1)/M x 0.55 bytes per parameter
+    if name in ("int4", "e3m0", "e3m0-nearest"):  # the bound: 2(M-1)/M x 0.55 bytes per parameter
         assert record.sent_bytes / L <= 2 * (M - 1) / M * 0.55
     # a ring sends 2(M-1)/M payloads (chunks padded to whole groups); a gather at M = 2 one payload
     assert record.sent_bytes <= max(1, 2 * (M - 1) / M) * record.payload_bytes * 1.03
