@@ -1,6 +1,7 @@
 """An emulated cluster for tests and benches: hosts as Linux network namespaces (the operator's
 cluster/netns-cluster.sh, in a source checkout), each running a real `mlx-diloco agent`. Needs
-root; CI runs as root."""
+root; CI runs as root. A test harness, not for real clusters: its agents share the public SECRET
+below and listen only inside the namespaces it makes."""
 
 import json
 import os

@@ -109,7 +109,6 @@ def run_processes(config: TrainConfig, run_dir: Path, processes: int, resume: bo
                   collective_timeout: float = 60.0, log=print):
     """Train `config` in `processes` local processes; returns when all have finished."""
     from .run import check_new_run_dir, load_data, resolve
-    from ..models.zoo import load_spec
     K, run_dir = processes, Path(run_dir)
     if config.workers % K:
         raise ConfigError(f"{config.workers} workers do not split over {K} processes; "
@@ -117,8 +116,9 @@ def run_processes(config: TrainConfig, run_dir: Path, processes: int, resume: bo
     step = resume_step(run_dir, log) if resume else None
     if not resume:
         check_new_run_dir(run_dir)
-    config = resolve(config).config
-    load_data(config, load_spec(config.model), log=log)  # tokenize once here: the processes read the cache
+    resolved = resolve(config)
+    config = resolved.config
+    load_data(config, resolved.spec, log=log)  # tokenize once here: the processes read the cache
     log(f"{config.strategy} with {config.workers} simulated workers in {K} processes, model {config.model}, "
         f"data {config.data} -> {run_dir}")
     threads = str(max(1, usable_cores() // K))  # BLAS threads: K processes share the cores, no more

@@ -53,7 +53,7 @@ class Resolved:
     """What a config names, built and checked together once (`resolve`)."""
     config: TrainConfig           # as the run will use and record it
     strategy: object              # the run's strategies.Strategy, with the config's options
-    spec: object                  # the model's modelzoo.ModelSpec
+    spec: object                  # the model's models.zoo.ModelSpec
 
 
 def resolve(config: TrainConfig) -> Resolved:
@@ -103,7 +103,7 @@ class Parts:
     strategy: object              # a strategies.Strategy
     loss: object = None           # loss(model, x, y) -> scalar; default: cross-entropy on model(x)
     vectorize: object = "auto"    # True, False, or "auto": vmap the replicas if the model allows it
-    spec: object = None           # a modelzoo.ModelSpec, for runs of presets (checkpoints record it)
+    spec: object = None           # a models.zoo.ModelSpec, for runs of presets (checkpoints record it)
 
 
 def parts_from_config(resolved: Resolved, log=print, shard_dir=None) -> Parts:
