@@ -18,7 +18,7 @@ def label(strategy: str, options: dict, config: dict) -> str:
     if options.get("overlap_steps"):
         parts.append(f"tau={options['overlap_steps']}")
     if options.get("compress") not in (None, "fp16"):
-        parts.append(options["compress"])
+        parts.append(options["compress"] + ("+ef" if options.get("error_feedback") else ""))
     if config.get("worker_speeds"):
         parts.append(f"{config.get('speed_policy', 'fixed')}-paced")
     return " ".join(parts)
@@ -61,7 +61,7 @@ def plot_runs(run_dirs, out: Path, title: str = None) -> Path:
     for ax, (key, name) in zip(axes, axes_keys):
         loss_curves(ax, [(run_label(rows, d), rows) for d, rows in runs], key, name)
     axes[0].set_ylabel("eval loss (global model)")
-    axes[0].legend(fontsize=8)
+    axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))  # beside the panels, over no curve
     return save_figure(fig, out, title)
 
 
@@ -115,6 +115,6 @@ def save_figure(fig, out: Path, title: str = None) -> Path:
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=120, bbox_inches="tight")  # a legend beside the axes included
     plt.close(fig)
     return out
