@@ -5,8 +5,6 @@ Each test failed before its fix."""
 import inspect
 import json
 import os
-import shutil
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
