@@ -36,7 +36,8 @@ from .strategies import Strategy, make_strategy
 from .training import checkpoint
 from .training.metrics import MetricsLog
 from .training.processes import choose_processes, run_processes
-from .training.run import Parts, Run
+from .training.resolve import Parts
+from .training.run import Run
 from .training.workers import check_loss
 
 

@@ -79,7 +79,7 @@ def config_from_args(args) -> TrainConfig:
         if given or args.config:
             flags = " ".join("--" + k.replace("_", "-") for k in given) or "--config"
             raise ConfigError(f"--resume continues the run with its saved config; drop {flags}")
-        from .training.run import saved_config
+        from .training.resolve import saved_config
         return saved_config(Path(args.run_dir))
     return config_from_flags(args)
 

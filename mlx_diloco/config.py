@@ -1,7 +1,7 @@
 """Run configuration: one dataclass with every training setting, checked on the way in.
 
 Below it: options.py (errors, typed values, did-you-mean), the strategies (whose options a flat
-config carries), exchange/network.py and training/speeds.py (which parse the link and the worker
+config carries), exchange/network.py and speeds.py (which parse the link and the worker
 speeds). None of them imports this module; training/run.py's `resolve` turns a config into the
 run's (config, strategy, model spec)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .exchange.network import parse_link
 from .options import ConfigError, did_you_mean, from_dict, read_json  # ConfigError: most callers import it from here
-from .training.speeds import Speeds
+from .speeds import Speeds
 
 
 PRECISIONS = ("fp32", "bf16")
@@ -45,7 +45,7 @@ class TrainConfig:
     link: str = "1gbe"              # network preset (or 'BW[/LATENCY]', e.g. '100mbit/20ms') for the time model
     step_time: float = 0.0          # modelled seconds of a speed-1 inner step (0: as measured here)
     worker_speeds: str = ""         # relative speeds, one per worker ('1,1,0.5,0.25'); '' all equal
-    speed_policy: str = "fixed"     # fixed (H steps each, fast workers wait) or time (training/speeds.py)
+    speed_policy: str = "fixed"     # fixed (H steps each, fast workers wait) or time (speeds.py)
     vectorize: bool = True          # train simulated workers with mx.vmap (False: one after another)
     loss: str = ""                  # '' cross-entropy; or an importable loss function 'package.module:function'
     # Memory (issue 11): what the replicas are stored and computed in

@@ -10,7 +10,7 @@ from conftest import tiny_config
 from mlx_diloco.config import ConfigError
 from mlx_diloco.exchange.comm import SimCommunicator
 from mlx_diloco.strategies.fragments import Fragment
-from mlx_diloco.training import checkpoint
+from mlx_diloco import run_folder
 from mlx_diloco.training.run import Run
 
 
@@ -130,7 +130,7 @@ def test_a_worker_with_nan_stops_the_run_before_the_global_model_and_its_checkpo
     run.workers.params = tree_unflatten(poisoned)
     with pytest.raises(ConfigError, match=r"step 8: worker 1 sent non-finite values .* last checkpoint \(step 4\) is intact"):
         run.train()
-    assert checkpoint.latest_step(tmp_path / "r") == 4
+    assert run_folder.latest_step(tmp_path / "r") == 4
     after = flat(run.strategy.global_params(None))
     for k in before:
         np.testing.assert_array_equal(after[k], before[k], err_msg=k)
@@ -145,4 +145,4 @@ def test_nan_in_an_exchange_still_in_flight_never_reaches_a_checkpoint(tmp_path)
                                          for k, v in tree_flatten(run.workers.params)])
     with pytest.raises(ConfigError, match=r"step 8: worker 1 holds non-finite values .* in its weights.*step 4\) is intact"):
         run.train()
-    assert checkpoint.latest_step(tmp_path / "r") == 4
+    assert run_folder.latest_step(tmp_path / "r") == 4

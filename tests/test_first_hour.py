@@ -15,7 +15,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from conftest import run_cli, tiny_config
-from mlx_diloco.training import checkpoint
+from mlx_diloco import run_folder
 from mlx_diloco.exchange.comm import SimCommunicator
 from mlx_diloco.config import ConfigError, TrainConfig
 from mlx_diloco.data.datasets import load_text
@@ -34,7 +34,7 @@ def rows_of(run_dir):
 def test_run_ends_synced_when_h_does_not_divide_steps(tmp_path, strategy):
     run = Run(tiny_config(strategy=strategy, steps=10, sync_every=4), tmp_path / "r", SimCommunicator(2), **QUIET)
     run.train()
-    assert checkpoint.latest_step(tmp_path / "r") == 10
+    assert run_folder.latest_step(tmp_path / "r") == 10
     final = dict(tree_flatten(run.global_params()))
     for name, local in tree_flatten(run.workers.params):  # every replica holds the final global model
         for w in range(2):
@@ -47,7 +47,7 @@ def test_run_shorter_than_h_trains_and_checkpoints(tmp_path):
     run = Run(tiny_config(steps=6, sync_every=50), tmp_path / "r", SimCommunicator(2), **QUIET)
     summary = run.train()
     rows = rows_of(tmp_path / "r")
-    assert summary["final_eval_loss"] < rows[0]["eval_loss"] and checkpoint.latest_step(tmp_path / "r") == 6
+    assert summary["final_eval_loss"] < rows[0]["eval_loss"] and run_folder.latest_step(tmp_path / "r") == 6
 
 
 # 2. config values are type- and range-checked, with one line naming the key

@@ -14,7 +14,7 @@ from mlx_diloco.gym import scorecard
 from mlx_diloco.gym.problems import PROBLEMS
 from mlx_diloco.training.metrics import MetricsLog
 from mlx_diloco.training.run import Run
-from mlx_diloco.training.speeds import Speeds
+from mlx_diloco.speeds import Speeds
 
 TINY = dict(model="tiny", seq_len=16, batch_size=4, eval_batches=2, warmup=2)
 TINY_FLAGS = ["--model", "tiny", "--seq-len", "16", "--batch-size", "4", "--eval-batches", "2", "--warmup", "2"]

@@ -8,7 +8,7 @@ from mlx.utils import tree_flatten
 from conftest import run_cli, tiny_config
 from mlx_diloco.exchange.comm import SimCommunicator
 from mlx_diloco.export import load_trained_model
-from mlx_diloco.training import checkpoint
+from mlx_diloco import run_folder
 from mlx_diloco.training.run import Run
 
 FLAGS = ["--model", "tiny", "--seq-len", "16", "--batch-size", "4", "--workers", "4", "--steps", "12",
@@ -30,7 +30,7 @@ def test_two_processes_train_like_one(tmp_path, strategy):
     for k, v in tree_flatten(one.global_params()):
         np.testing.assert_allclose(np.array(got[k]), np.array(v), rtol=1e-4, atol=1e-6, err_msg=k)
     # the second process checkpoints its workers (2 and 3) beside the run
-    assert checkpoint.latest_step(tmp_path / "k2" / "worker-2") == 12
+    assert run_folder.latest_step(tmp_path / "k2" / "worker-2") == 12
 
 
 def test_workers_must_split_over_processes(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from conftest import tiny_config
-from mlx_diloco.training import checkpoint
+from mlx_diloco import run_folder
 from mlx_diloco.exchange.codecs import CODECS, E3M0, GROUP, get_codec
 from mlx_diloco.exchange.comm import SimCommunicator
 from mlx_diloco.strategies.fragments import partition
@@ -127,7 +127,7 @@ def test_streaming_schedule_overlap_and_final_sync(tmp_path):
         np.testing.assert_array_equal(local[0], final[k])
         np.testing.assert_array_equal(local[1], final[k])
     metrics = [json.loads(l) for l in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
-    assert metrics[-1]["eval_loss"] < metrics[0]["eval_loss"] and checkpoint.latest_step(tmp_path / "r") == 22
+    assert metrics[-1]["eval_loss"] < metrics[0]["eval_loss"] and run_folder.latest_step(tmp_path / "r") == 22
 
 
 def test_merge_keeps_alpha_of_the_local_values(tmp_path):

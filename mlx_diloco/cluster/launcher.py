@@ -88,7 +88,7 @@ def cut_shards(config: TrainConfig, num_shards: int, folder: Path, log=print) ->
     building the model. Returns {worker: {file name: sha256}}, what the agents are sent."""
     from ..data.datasets import write_shard
     from ..models.zoo import load_spec
-    from ..training.run import load_data
+    from ..training.resolve import load_data
     data = load_data(config, load_spec(config.model), log=log)
     files = {}
     for w in range(num_shards):
@@ -128,7 +128,7 @@ class Launcher:
     # ------------------------------------------------------------ setup
     @classmethod
     def new(cls, config: TrainConfig, found: list, run_dir: Path, secret: bytes, options: Options, log=print):
-        from ..training.run import resolve
+        from ..training.resolve import resolve
         run_dir, config = Path(run_dir), resolve(config).config
         if (run_dir / "launch.json").exists():
             raise ConfigError(f"{run_dir} already holds a job; pass --resume to continue it, or another --run-dir")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..config import ConfigError, TrainConfig
 from ..plot import save_figure, spread_axis, value_axis
-from ..training import checkpoint
+from ..run_folder import latest_step
 from . import scorecard
 
 
@@ -51,7 +51,7 @@ def run_sweep(base: dict, points: list, out: Path, train, problem=None, target_l
     """Train every point (a dict of keys laid over `base`; `train(config, run_dir, resume)` returns
     when the run is done) and return the scorecards, scored against the problem's target loss
     (or `target_loss`). Every point's config is checked before the first one trains."""
-    from ..training.run import resolve
+    from ..training.resolve import resolve
     out = Path(out)
     configs = [(p, TrainConfig.from_dict({**base, **p})) for p in points]
     for _, config in configs:
@@ -64,7 +64,7 @@ def run_sweep(base: dict, points: list, out: Path, train, problem=None, target_l
         if (run_dir / "summary.json").exists():
             log(f"[{i}/{len(configs)}] {point_name(point)}: done before, kept")
         else:
-            resume = checkpoint.latest_step(run_dir) is not None
+            resume = latest_step(run_dir) is not None
             if run_dir.exists() and not resume:
                 shutil.rmtree(run_dir)  # cut off before its first checkpoint: start it again
             log(f"[{i}/{len(configs)}] {point_name(point)}" + (": resuming" if resume else ""))

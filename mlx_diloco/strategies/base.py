@@ -73,7 +73,7 @@ class Strategy:
     clip_gradients = True  # the run clips each worker's gradients (grad-clip) before the inner update
     # Workers may take different numbers of inner steps between syncs (speed-policy time): only
     # for strategies that exchange nothing between syncs. The run then sets `sync_weights`, one
-    # factor per local worker on what it sends (training/speeds.py).
+    # factor per local worker on what it sends (speeds.py).
     steps_can_differ = False
     sync_weights = None
 

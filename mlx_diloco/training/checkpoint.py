@@ -19,6 +19,7 @@ from mlx.utils import tree_unflatten
 
 from ..atomic import atomic_write_text
 from ..config import ConfigError
+from ..run_folder import _step_of, candidates
 
 KEEP = 2  # checkpoints kept on disk
 
@@ -60,47 +61,6 @@ def save(run_dir: Path, step: int, flat: dict, meta: dict):
     for old in sorted(run_dir.glob("ckpt-*.json"), key=_step_of)[:-KEEP]:
         old.unlink(missing_ok=True)
         old.with_suffix(".safetensors").unlink(missing_ok=True)
-
-
-def _step_of(path: Path) -> int:
-    return int(path.stem.split("-")[1])
-
-
-def steps(run_dir: Path) -> list:
-    """Steps of the checkpoints on disk whose two files are both present, newest first."""
-    found = [_step_of(p) for p in Path(run_dir).glob("ckpt-*.json") if p.with_suffix(".safetensors").exists()]
-    return sorted(found, reverse=True)
-
-
-def latest_step(run_dir: Path):
-    """The step latest.json names, or (it is missing or torn) the newest checkpoint on disk."""
-    try:
-        return json.loads((Path(run_dir) / "latest.json").read_text())["step"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return next(iter(steps(run_dir)), None)
-
-
-def candidates(run_dir: Path) -> list:
-    """The steps a resume tries, in order: the one latest.json names, then the others, newest first."""
-    newest = latest_step(run_dir)
-    return ([newest] if newest is not None else []) + [s for s in steps(run_dir) if s != newest]
-
-
-def flaw(run_dir: Path, step: int) -> str:
-    """What is wrong with checkpoint `step`'s files ('' if nothing), found without reading its
-    arrays: the JSON parses, and the safetensors file is as long as its header says (a torn write
-    is shorter)."""
-    run_dir = Path(run_dir)
-    try:
-        json.loads((run_dir / f"ckpt-{step}.json").read_text())
-        with open(run_dir / f"ckpt-{step}.safetensors", "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-            size = os.fstat(f.fileno()).st_size
-        end = 8 + n + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    except Exception as e:  # missing, torn, bad JSON, bad header...
-        return f"{type(e).__name__}: {e}"
-    return "" if size == end else f"its arrays file holds {size} of {end} bytes"
 
 
 def _read(run_dir: Path, step: int):

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from ..config import ConfigError, TrainConfig
-from . import checkpoint
+from ..run_folder import candidates, check_new_run_dir, flaw, latest_step
 
 
 def usable_cores() -> int:
@@ -29,7 +29,7 @@ def usable_cores() -> int:
 def checkpoint_dirs(run_dir: Path) -> list:
     """Where each process of the run in `run_dir` checkpoints: process 0 in the run folder, each
     other process in worker-W, W the number of its first worker."""
-    others = sorted(d for d in Path(run_dir).glob("worker-*") if checkpoint.latest_step(d) is not None)
+    others = sorted(d for d in Path(run_dir).glob("worker-*") if latest_step(d) is not None)
     return [Path(run_dir), *others]
 
 
@@ -42,9 +42,9 @@ def resume_step(run_dir: Path, log=print) -> int:
     """The newest checkpoint that every process saved whole: all resume from the same step. A
     damaged one (a crash while writing) is passed over, as checkpoint.load does in one process."""
     dirs, damaged = checkpoint_dirs(run_dir), []
-    for step in checkpoint.candidates(run_dir):
+    for step in candidates(run_dir):
         flaws = [f"checkpoint {step} in {d} is unreadable ({why})"
-                 for d in dirs if (why := checkpoint.flaw(d, step))]
+                 for d in dirs if (why := flaw(d, step))]
         if not flaws:
             for line in damaged:
                 log(f"{line}; using checkpoint {step}")
@@ -98,7 +98,7 @@ def failure(procs: list, logs: list, errors: list, run_dir: Path) -> str:
         return said[0]
     r, code = failed[0]
     tail = logs[r].read_text(errors="replace").strip().splitlines()[-1:] if r else []
-    then = ("the run stops, resume it with --resume" if checkpoint.latest_step(run_dir) is not None else
+    then = ("the run stops, resume it with --resume" if latest_step(run_dir) is not None else
             "the run stopped before its first checkpoint, so there is nothing to resume: start it again "
             "in a new --run-dir")
     return f"simulator process {r} of {len(procs)} failed (exit {code})" + (f": {tail[0]}" if tail else "") + \
@@ -108,7 +108,7 @@ def failure(procs: list, logs: list, errors: list, run_dir: Path) -> str:
 def run_processes(config: TrainConfig, run_dir: Path, processes: int, resume: bool = False,
                   collective_timeout: float = 60.0, log=print):
     """Train `config` in `processes` local processes; returns when all have finished."""
-    from .run import check_new_run_dir, load_data, resolve
+    from .resolve import load_data, resolve
     K, run_dir = processes, Path(run_dir)
     if config.workers % K:
         raise ConfigError(f"{config.workers} workers do not split over {K} processes; "

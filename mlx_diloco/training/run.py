@@ -10,7 +10,7 @@ import shutil
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -19,101 +19,19 @@ from mlx.utils import tree_flatten
 from tqdm import tqdm
 
 from ..atomic import atomic_write_text
-from ..config import DEFAULT_MAX_SEQ_LEN, ConfigError, TrainConfig
-from ..data.datasets import (EMBEDDED, FASHION_MNIST, BatchStream, ShardSampler, is_fashion_mnist_folder,
-                             load_shard, oversized_batch, prepare)
+from ..config import ConfigError, TrainConfig
+from ..data.datasets import (BatchStream, ShardSampler, oversized_batch)
 from ..exchange.comm import Communicator, NonFiniteValues
 from ..exchange.network import exchange_time, parse_link
 from ..models.checkpointing import checkpoint_blocks
 from ..models.precision import to_bf16
-from ..models.zoo import build_model, count_parameters, import_builder, load_spec
+from ..models.zoo import count_parameters
+from ..run_folder import check_new_run_dir, latest_step
+from .resolve import Parts, parts_from_config, resolve, saved_config
 from . import checkpoint
 from .metrics import MetricsLog, human_bytes
-from .speeds import Speeds
+from ..speeds import Speeds
 from .workers import Workers, check_loss
-
-
-def saved_config(run_dir: Path) -> TrainConfig:
-    """The config of the run in `run_dir`, as its newest checkpoint recorded it."""
-    if checkpoint.latest_step(run_dir) is None:
-        raise ConfigError(f"nothing to resume in {run_dir}: no checkpoint; drop --resume to start a new run")
-    _, meta = checkpoint.load(run_dir, log=lambda m: None)  # Run._restore says which one it uses
-    return TrainConfig.from_dict(meta["config"])
-
-
-def check_new_run_dir(run_dir: Path):
-    """A new run never overwrites an existing one."""
-    if (run_dir / "latest.json").exists() or (run_dir / "metrics.jsonl").exists():
-        raise ConfigError(f"run folder {run_dir} already holds a run; pass --resume to continue it, "
-                          "or choose another --run-dir")
-
-
-@dataclass
-class Resolved:
-    """What a config names, built and checked together once (`resolve`)."""
-    config: TrainConfig           # as the run will use and record it
-    strategy: object              # the run's strategies.Strategy, with the config's options
-    spec: object                  # the model's models.zoo.ModelSpec
-
-
-def resolve(config: TrainConfig) -> Resolved:
-    """The config as the run will use and record it (local paths made absolute, so the run folder
-    works from any directory; seq-len 0 replaced by the model's context), with its strategy and
-    model spec, each checked against the others."""
-    def absolute(path: str, names=()):
-        return str(Path(path).resolve()) if path and path not in names and Path(path).exists() else path
-    config = replace(config, model=absolute(config.model) if Path(config.model).is_dir() or
-                     config.model.endswith(".json") else config.model,
-                     data=absolute(config.data, names=(EMBEDDED, FASHION_MNIST)),
-                     tokenizer=absolute(config.tokenizer))
-    spec = load_spec(config.model)
-    arrays = config.data.endswith(".npz")  # examples as arrays (the API's data): any model, no tokens
-    images = config.data == FASHION_MNIST or is_fashion_mnist_folder(config.data)
-    if not arrays and spec.is_language_model == images:
-        raise ConfigError(f"model '{config.model}' does not fit data '{config.data}': "
-                          "the cnn preset trains on fashion-mnist, language models on text")
-    strategy = config.make_strategy()
-    strategy.check_model(spec)
-    if config.seq_len == 0 and spec.is_language_model and not arrays:
-        config = replace(config, seq_len=min(spec.context_length, DEFAULT_MAX_SEQ_LEN))
-    if spec.is_language_model and config.seq_len > spec.context_length:
-        raise ConfigError(f"seq-len {config.seq_len} exceeds model '{config.model}' context "
-                          f"{spec.context_length}; pass --seq-len {spec.context_length} or less")
-    return Resolved(config, strategy, spec)
-
-
-def load_data(config: TrainConfig, spec, log=print, shard_dir=None):
-    """The corpus named in the config (tokenized, cached), or a shard shipped to this worker."""
-    tokenizer = config.tokenizer or (str(spec.path) if spec.path else "")
-    if shard_dir:
-        data = load_shard(shard_dir)
-    else:
-        data = prepare(config.data, config.seq_len, spec.vocab_size or 0, tokenizer, log=log)
-    if data.vocab_size and spec.vocab_size and data.vocab_size > spec.vocab_size:
-        raise ConfigError(f"tokenizer has {data.vocab_size} tokens but model '{config.model}' only "
-                          f"{spec.vocab_size}; use a model preset with a larger vocab_size")
-    return data
-
-
-@dataclass
-class Parts:
-    """What a run trains, when the caller builds it (the Python API) rather than the config."""
-    model: object                 # an mlx.nn.Module
-    data: object                  # a data.Dataset: train and held-out examples
-    strategy: object              # a strategies.Strategy
-    loss: object = None           # loss(model, x, y) -> scalar; default: cross-entropy on model(x)
-    vectorize: object = "auto"    # True, False, or "auto": vmap the replicas if the model allows it
-    spec: object = None           # a models.zoo.ModelSpec, for runs of presets (checkpoints record it)
-
-
-def parts_from_config(resolved: Resolved, log=print, shard_dir=None) -> Parts:
-    """The model, data and strategy a resolved config names (the CLI, the cluster worker)."""
-    config, spec = resolved.config, resolved.spec
-    data = load_data(config, spec, log=log, shard_dir=shard_dir)
-    loss = import_builder(config.loss, "loss function") if config.loss else None
-    # "auto": vmapped unless MLX cannot vmap the model (conv2d's gradient), which the first step shows.
-    return Parts(build_model(spec, seed=config.seed), data, resolved.strategy, loss=loss,
-                 vectorize="auto" if config.vectorize else False, spec=spec)
 
 
 @dataclass
@@ -217,7 +135,7 @@ class Run:
                 shutil.copytree(self.data.tokenizer_dir, self.run_dir / "tokenizer", dirs_exist_ok=True)
 
     def _pace_by_time(self):
-        """Workers take the steps that fit a round (training/speeds.py): weigh each worker's
+        """Workers take the steps that fit a round (speeds.py): weigh each worker's
         pseudo-gradient by the tokens it processed."""
         s, H = self.strategy, self.strategy.sync_every
         weights = self.speeds.sync_weights(H)  # every worker steps in a round: config.check_strategy
@@ -317,13 +235,13 @@ class Run:
         try:
             yield
         except NonFiniteValues as e:
-            last = checkpoint.latest_step(self.checkpoint_dir)
+            last = latest_step(self.checkpoint_dir)
             kept = f"its last checkpoint (step {last}) is intact" if last else "no checkpoint was written"
             raise ConfigError(f"step {step}: {e}: training diverged, and the run stops before they reach the "
                               f"global model ({kept}); lower --lr or --outer-lr, or raise --warmup") from None
 
     def _active(self, tick: int):
-        """Which local workers step at this tick; None when all do (training/speeds.py)."""
+        """Which local workers step at this tick; None when all do (speeds.py)."""
         if not self.speeds or self.speeds.policy == "fixed":
             return None
         active = self.speeds.active(tick)

@@ -161,7 +161,7 @@ class Workers:
 
     def _clip_and_update_some(self, params, grads, state, scale, active):
         """The update for the replicas where `active` (n_local,) is true; the others keep their
-        parameters and moments (workers slower than the tick: training/speeds.py)."""
+        parameters and moments (workers slower than the tick: speeds.py)."""
         old_state = tree_map(lambda x: x, state)  # a copy of the tree: the optimizer updates its state in place
         new_params, new_state = self._clip_and_update(params, grads, state, scale)
 

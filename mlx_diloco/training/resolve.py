@@ -1,0 +1,88 @@
+"""What a config names, built and checked together in one place: the run's config as it will be
+recorded, its strategy and its model spec (`resolve`), and the model, data and strategy a run
+trains (`Parts`), from a config or from the caller (the Python API)."""
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ..run_folder import latest_step
+from ..config import DEFAULT_MAX_SEQ_LEN, ConfigError, TrainConfig
+from ..data.datasets import EMBEDDED, FASHION_MNIST, is_fashion_mnist_folder, load_shard, prepare
+from ..models.zoo import build_model, import_builder, load_spec
+from . import checkpoint
+
+
+def saved_config(run_dir: Path) -> TrainConfig:
+    """The config of the run in `run_dir`, as its newest checkpoint recorded it."""
+    if latest_step(run_dir) is None:
+        raise ConfigError(f"nothing to resume in {run_dir}: no checkpoint; drop --resume to start a new run")
+    _, meta = checkpoint.load(run_dir, log=lambda m: None)  # Run._restore says which one it uses
+    return TrainConfig.from_dict(meta["config"])
+
+
+@dataclass
+class Resolved:
+    """What a config names, built and checked together once (`resolve`)."""
+    config: TrainConfig           # as the run will use and record it
+    strategy: object              # the run's strategies.Strategy, with the config's options
+    spec: object                  # the model's models.zoo.ModelSpec
+
+
+def resolve(config: TrainConfig) -> Resolved:
+    """The config as the run will use and record it (local paths made absolute, so the run folder
+    works from any directory; seq-len 0 replaced by the model's context), with its strategy and
+    model spec, each checked against the others."""
+    def absolute(path: str, names=()):
+        return str(Path(path).resolve()) if path and path not in names and Path(path).exists() else path
+    config = replace(config, model=absolute(config.model) if Path(config.model).is_dir() or
+                     config.model.endswith(".json") else config.model,
+                     data=absolute(config.data, names=(EMBEDDED, FASHION_MNIST)),
+                     tokenizer=absolute(config.tokenizer))
+    spec = load_spec(config.model)
+    arrays = config.data.endswith(".npz")  # examples as arrays (the API's data): any model, no tokens
+    images = config.data == FASHION_MNIST or is_fashion_mnist_folder(config.data)
+    if not arrays and spec.is_language_model == images:
+        raise ConfigError(f"model '{config.model}' does not fit data '{config.data}': "
+                          "the cnn preset trains on fashion-mnist, language models on text")
+    strategy = config.make_strategy()
+    strategy.check_model(spec)
+    if config.seq_len == 0 and spec.is_language_model and not arrays:
+        config = replace(config, seq_len=min(spec.context_length, DEFAULT_MAX_SEQ_LEN))
+    if spec.is_language_model and config.seq_len > spec.context_length:
+        raise ConfigError(f"seq-len {config.seq_len} exceeds model '{config.model}' context "
+                          f"{spec.context_length}; pass --seq-len {spec.context_length} or less")
+    return Resolved(config, strategy, spec)
+
+
+def load_data(config: TrainConfig, spec, log=print, shard_dir=None):
+    """The corpus named in the config (tokenized, cached), or a shard shipped to this worker."""
+    tokenizer = config.tokenizer or (str(spec.path) if spec.path else "")
+    if shard_dir:
+        data = load_shard(shard_dir)
+    else:
+        data = prepare(config.data, config.seq_len, spec.vocab_size or 0, tokenizer, log=log)
+    if data.vocab_size and spec.vocab_size and data.vocab_size > spec.vocab_size:
+        raise ConfigError(f"tokenizer has {data.vocab_size} tokens but model '{config.model}' only "
+                          f"{spec.vocab_size}; use a model preset with a larger vocab_size")
+    return data
+
+
+@dataclass
+class Parts:
+    """What a run trains, when the caller builds it (the Python API) rather than the config."""
+    model: object                 # an mlx.nn.Module
+    data: object                  # a data.Dataset: train and held-out examples
+    strategy: object              # a strategies.Strategy
+    loss: object = None           # loss(model, x, y) -> scalar; default: cross-entropy on model(x)
+    vectorize: object = "auto"    # True, False, or "auto": vmap the replicas if the model allows it
+    spec: object = None           # a models.zoo.ModelSpec, for runs of presets (checkpoints record it)
+
+
+def parts_from_config(resolved: Resolved, log=print, shard_dir=None) -> Parts:
+    """The model, data and strategy a resolved config names (the CLI, the cluster worker)."""
+    config, spec = resolved.config, resolved.spec
+    data = load_data(config, spec, log=log, shard_dir=shard_dir)
+    loss = import_builder(config.loss, "loss function") if config.loss else None
+    # "auto": vmapped unless MLX cannot vmap the model (conv2d's gradient), which the first step shows.
+    return Parts(build_model(spec, seed=config.seed), data, resolved.strategy, loss=loss,
+                 vectorize="auto" if config.vectorize else False, spec=spec)
