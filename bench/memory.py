@@ -20,8 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mlx_diloco.cluster.hostinfo import memory_bytes  # noqa: E402
+from mlx_diloco.config import TrainConfig  # noqa: E402
 from mlx_diloco.memory import GB, MemoryOptions, estimate, macs_it_fits, model_shape  # noqa: E402
 from mlx_diloco.models.zoo import build_model, count_parameters, load_spec  # noqa: E402
+from mlx_diloco.strategies import DiLoCo  # noqa: E402
 
 SHAPES = {"small": (16, 64), "gpt-10m": (16, 256), "llama-150m": (4, 512), "llama-1b": (4, 512)}
 # (precision, moments precision, checkpointing, offloaded outer state)
@@ -57,7 +59,9 @@ def main():
         n = count_parameters(build_model(spec, lazy=True))
         batch, seq_len = SHAPES.get(name, (4, 512))
         for precision, moments, ckpt, offload in CASES:
-            options = MemoryOptions(batch, seq_len, precision, moments, ckpt, offload)
+            options = MemoryOptions.of(TrainConfig(batch_size=batch, seq_len=seq_len, precision=precision,
+                                                   moments_precision=moments, grad_checkpoint=ckpt),
+                                       DiLoCo(offload_outer=offload))
             est = estimate(model_shape(spec.params, n), options)["total"]
             if est > 0.85 * machine:
                 peak, note = None, "not run: larger than this machine"

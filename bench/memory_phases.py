@@ -30,6 +30,7 @@ def main():
     from mlx_diloco.config import TrainConfig
     from mlx_diloco.exchange.comm import SimCommunicator
     from mlx_diloco.gym.sweep import value
+    from mlx_diloco.exchange.ledger import ExchangeLedger
     from mlx_diloco.training.run import Run
     from mlx_diloco.training.workers import Workers
     depth = [0]
@@ -64,7 +65,7 @@ def main():
             measured(cls, name)
     # The sync, from the parameters handed to the outer step to what follows it: a wrapper around
     # after_step would hold the old parameters it is handed (Workers.take_params) and double it.
-    take_params, account_exchanges = Workers.take_params, Run._account_exchanges
+    take_params, record = Workers.take_params, ExchangeLedger.record
     started = []
 
     def sync_starts(self):
@@ -72,10 +73,10 @@ def main():
         started.append(time.time())
         return take_params(self)
 
-    def sync_ended(self):
+    def sync_ended(self, *args, **kwargs):
         report("sync", started.pop(), 1)
-        return account_exchanges(self)
-    Workers.take_params, Run._account_exchanges = sync_starts, sync_ended
+        return record(self, *args, **kwargs)
+    Workers.take_params, ExchangeLedger.record = sync_starts, sync_ended
     print(f"{model} {precision} {' '.join(extra)}: after setup active {mx.get_active_memory() / 1e9:.2f} GB, "
           f"peak {mx.get_peak_memory() / 1e9:.2f} GB", flush=True)
     run.train()

@@ -36,6 +36,7 @@ def make_setup(model_name, workers, batch_size, seq_len, comm=None):
     from mlx_diloco.data.datasets import prepare
     from mlx_diloco.exchange.comm import SimCommunicator
     from mlx_diloco.models.zoo import build_model, load_spec
+    from mlx_diloco.strategies import make_strategy
     from mlx_diloco.training.workers import Workers
 
     comm = comm or SimCommunicator(workers)
@@ -44,7 +45,7 @@ def make_setup(model_name, workers, batch_size, seq_len, comm=None):
     spec = load_spec(model_name)
     data = prepare(config.data, seq_len, spec.vocab_size, log=lambda m: None)
     model = build_model(spec)
-    strategy = config.make_strategy().bind(comm, config.steps)
+    strategy = make_strategy(config.strategy, config.strategy_options).bind(comm, config.steps)
     strategy.setup(model.trainable_parameters())
     w = Workers(model, comm.n_local, config, strategy.inner_optimizer(config))
     n = comm.n_local

@@ -57,8 +57,8 @@ def main():
         config = TrainConfig.from_dict({**common, **RUNS[name]})
         run = Run(config, out / name, SimCommunicator(config.workers), log=lambda m: None)
         s = run.train()
-        step_s = run.compute_s / run.step
-        times = [modelled_time(run.compute_s, run.exchange_log, step_s, parse_link(link)) for link in LINKS.values()]
+        step_s = run.compute_s / run.steps_done
+        times = [modelled_time(run.compute_s, run.ledger.log, step_s, parse_link(link)) for link in LINKS.values()]
         print(f"{name:14} {s['final_eval_loss']:>9.4f} {s['bytes_sent_per_worker'] / 1e6:>9.1f} MB "
               + " ".join(f"{t / 60:>7.1f} min" for t in times), flush=True)
     png = plot_runs([out / n for n in names], out / "zoo.png",

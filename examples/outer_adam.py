@@ -1,4 +1,5 @@
-"""A new strategy in one short file: DiLoCo whose outer optimizer is Adam instead of Nesterov SGD.
+"""A new strategy in one short file: DiLoCo whose outer optimizer is Adam with its beta2 an option
+(the built-in `--outer-optimizer adam` fixes beta2 at 0.99).
 
 DiLoCo already does the work (fragments, the exchange, checkpoints, the final sync); this class
 only says what differs: its options and its outer optimizer. Use it from Python,
@@ -29,7 +30,7 @@ class OuterAdam(DiLoCo):
         super().check()
         self.require(0 < self.outer_beta2 < 1, f"outer-beta2 must be in (0, 1) (got {self.outer_beta2})")
 
-    def outer_optimizer(self):
+    def make_outer_optimizer(self):
         # outer_momentum is Adam's beta1 here; bias correction, as the first outer steps are few
         return optim.Adam(learning_rate=self.outer_lr, betas=[self.outer_momentum, self.outer_beta2],
                           bias_correction=True)

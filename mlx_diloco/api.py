@@ -5,10 +5,12 @@
         strategy=DiLoCo(sync_every=100), workers=4, steps=2000)
     result.model, result.metrics, result.bytes_sent, result.modelled_time("wifi")
 
-`loss_fn(model, x, y)` returns a scalar (the mlx-lm convention). The settings default to `sim`'s
-(config.TrainConfig): warmup -1 is a fifth of the run, at most 50 steps. Data is a tuple of arrays
+`loss_fn(model, x, y)` returns a scalar (the mlx-lm convention). The Trainer's settings are the
+config's keys (config.TrainConfig: batch_size, lr, warmup, precision, grad_checkpoint, seq_len, ...),
+defaulting to `sim`'s: warmup -1 is a fifth of the run, at most 50 steps. Data is a tuple of arrays
 (inputs, targets) split along the first axis, or an iterable of (x, y) batches. The run is the
-same as `mlx-diloco sim`'s (training/run.py's Run): progress, metrics.jsonl, checkpoints and resume.
+same as `mlx-diloco sim`'s (training/run.py's Run): progress, metrics.jsonl, checkpoints and resume;
+`fit(callbacks=[...])` adds observers of it (training/callbacks.py's TrainingCallback).
 
 `model` is an `nn.Module`, or what rebuilds one in another process: a preset name, a preset file,
 an mlx-lm model folder or an importable builder 'package.module:function'. Given one of those, an
@@ -20,18 +22,19 @@ import copy
 import json
 import shutil
 import tempfile
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from .config import ConfigError, TrainConfig, from_dict
+from .config import ConfigError, TrainConfig
 from .data.datasets import ArrayExamples, BatchStream, Dataset
 from .exchange.comm import SimCommunicator
-from .exchange.worker_axis import replica
 from .exchange.network import modelled_time, parse_link
+from .export import global_parameters
 from .models.zoo import build_model, load_spec
+from .options import did_you_mean, from_dict
 from .strategies import Strategy, make_strategy
 from .training import checkpoint
 from .training.metrics import MetricsLog
@@ -93,33 +96,48 @@ def importable(fn) -> str:
         return ""
 
 
+# The config keys a Trainer does not take as settings: its and fit's own arguments say them.
+ARGUMENTS = {"model": "model", "data": "train_data", "loss": "loss_fn", "strategy": "fit's strategy",
+             "strategy_options": "fit's strategy"}
+
+
+def trainer_config(given: dict) -> TrainConfig:
+    """A Trainer's settings as a config (sim's defaults for the rest): any config key but those
+    the Trainer's arguments give; an unknown name or a wrong type is one line."""
+    keys = [f.name for f in fields(TrainConfig) if f.name not in ARGUMENTS]
+    for key in given:
+        if key in ARGUMENTS:
+            raise ConfigError(f"'{key}' is not a Trainer setting; pass it as {ARGUMENTS[key]}")
+        if key not in keys:
+            raise ConfigError(f"unknown Trainer setting '{key}'; {did_you_mean(key, keys)}")
+    return from_dict(TrainConfig, {**given, "model": "api", "data": "api"}, what="Trainer setting")
+
+
 class Trainer:
-    # The defaults are sim's, from TrainConfig.
-    def __init__(self, model, loss_fn, train_data, eval_data=None, batch_size: int = TrainConfig.batch_size, *,
-                 lr: float = TrainConfig.lr, warmup: int = TrainConfig.warmup,
-                 weight_decay: float = TrainConfig.weight_decay, grad_clip: float = TrainConfig.grad_clip,
-                 eval_batches: int = TrainConfig.eval_batches, eval_every: int = TrainConfig.eval_every,
-                 seed: int = TrainConfig.seed, link: str = TrainConfig.link, run_dir=None, log=print):
+    def __init__(self, model, loss_fn, train_data, eval_data=None, *, run_dir=None, log=print, **settings):
+        """`settings`: any config key (batch_size=16, lr=3e-4, precision="bf16", seq_len=..., workers,
+        steps, ...); `fit`'s workers and steps, where given, override the last two."""
         self.model, self.loss_fn, self.run_dir, self.log = model, loss_fn, run_dir, log
+        self.config = trainer_config(settings)
         self.said_one_process = False
         self.train = examples(train_data, "train_data")
         # Without eval data the training data is evaluated (pass eval_data when train_data is a one-shot generator).
-        self.eval = examples(train_data if eval_data is None else eval_data, "eval_data", batches=eval_batches)
-        self.settings = dict(batch_size=batch_size, lr=lr, warmup=warmup, weight_decay=weight_decay,
-                             grad_clip=grad_clip, eval_batches=eval_batches, eval_every=eval_every, seed=seed, link=link)
+        self.eval = examples(train_data if eval_data is None else eval_data, "eval_data",
+                             batches=self.config.eval_batches)
 
-    def fit(self, strategy, workers: int = TrainConfig.workers, steps: int = TrainConfig.steps,
-            resume: bool = False, run_dir=None, processes: int = 0) -> FitResult:
-        """Train `workers` simulated replicas for `steps` inner steps each with `strategy` (e.g.
-        DiLoCo(sync_every=50), or a name: 'diloco'), in `run_dir` (default: the Trainer's run_dir,
-        else a new temporary folder, removed when Python exits); `resume` continues a run there.
-        `processes`: K processes of workers/K replicas (0: as `sim` chooses, where the model can be rebuilt)."""
+    def fit(self, strategy, workers: int = None, steps: int = None, resume: bool = False, run_dir=None,
+            processes: int = 0, callbacks=None) -> FitResult:
+        """Train `workers` simulated replicas (default: the Trainer's setting, else sim's) for `steps`
+        inner steps each with `strategy` (e.g. DiLoCo(sync_every=50), or a name: 'diloco'), in
+        `run_dir` (default: the Trainer's run_dir, else a new temporary folder, removed when Python
+        exits); `resume` continues a run there. `processes`: K processes of workers/K replicas (0:
+        as `sim` chooses, where the model can be rebuilt). `callbacks`: TrainingCallbacks that hear
+        the run's reports (training/callbacks.py; they keep the run in this process)."""
         strategy = as_strategy(strategy)
-        config = from_dict(TrainConfig, {**self.settings, "workers": workers, "steps": steps, "model": "api",
-                                         "data": "api", "strategy": strategy.name}, what="Trainer option")
-        config.strategy_options = strategy.options()
-        config.check_values()
-        config.check_strategy(strategy)
+        config = replace(self.config, workers=self.config.workers if workers is None else workers,
+                         steps=self.config.steps if steps is None else steps, strategy=strategy.name,
+                         strategy_options=strategy.options())
+        config.check_values()  # and against the strategy: where the run gets it (Run, or resolve in processes)
         # every fit starts from the same initial weights; bad input is found before a run folder exists
         model = self.built_model(config.seed) if isinstance(self.model, str) else copy.deepcopy(self.model)
         if self.loss_fn is not None:
@@ -128,8 +146,8 @@ class Trainer:
             run_dir = tempfile.mkdtemp(prefix=f"mlx-diloco-{strategy.name}-")
             atexit.register(shutil.rmtree, run_dir, ignore_errors=True)
         run_dir = Path(run_dir or self.run_dir)
-        K = choose_processes(workers, processes, run_dir, resume)
-        if K > 1 and (why := self.why_one_process()):
+        K = choose_processes(config.workers, processes, run_dir, resume)
+        if K > 1 and (why := self.why_one_process(callbacks)):
             if processes or not self.said_one_process:
                 self.log(f"training in one process: {why}")
             self.said_one_process, K = True, 1
@@ -139,19 +157,22 @@ class Trainer:
             self.train = BatchStream(self.train.batches)  # a fresh cursor for every fit
         data = Dataset(self.train, self.eval)
         parts = Parts(model, data, copy.deepcopy(strategy), loss=self.loss_fn)
-        run = Run(config, run_dir, SimCommunicator(workers), resume=resume, log=self.log, parts=parts)
+        run = Run(config, run_dir, SimCommunicator(config.workers), resume=resume, log=self.log, parts=parts,
+                  callbacks=callbacks)
         summary = run.train()
         model.update(run.global_params())
         mx.eval(model.parameters())
-        return FitResult(model, MetricsLog.read(run_dir), run.bytes_sent, summary, run_dir,
-                         run.exchange_log, run.compute_s / max(run.step, 1))
+        return FitResult(model, MetricsLog.read(run_dir), run.ledger.bytes_sent, summary, run_dir,
+                         run.ledger.log, run.compute_s / max(run.steps_done, 1))
 
     def built_model(self, seed: int):
         """The model the Trainer names (a preset, folder or builder), initialised from `seed`."""
         return build_model(load_spec(self.model), seed=seed)
 
-    def why_one_process(self) -> str:
+    def why_one_process(self, callbacks=None) -> str:
         """Why the replicas cannot be trained in other processes ('' if they can)."""
+        if callbacks:
+            return "callbacks hear the run in this process"
         if not isinstance(self.model, str):
             return ("the model is an object; give Trainer a preset name, a model folder or a builder "
                     "'package.module:function' to train in several processes")
@@ -172,8 +193,9 @@ class Trainer:
         loss = importable(self.loss_fn) if self.loss_fn is not None else ""
         config = replace(config, model=self.model, data=str(data_file), loss=loss)
         run_processes(config, run_dir, K, resume=resume, log=self.log)
-        state, meta = checkpoint.load(run_dir, log=lambda m: None)
-        model.update(replica(state["workers"]["params"]))  # the replicas end synced
+        arrays, meta = checkpoint.load(run_dir, log=lambda m: None)
+        model.update(global_parameters(model, arrays, meta))
+        mx.eval(model.parameters())
         summary = json.loads((run_dir / "summary.json").read_text())
         return FitResult(model, MetricsLog.read(run_dir), summary["bytes_sent_per_worker"], summary, run_dir,
-                         [tuple(e) for e in meta["exchange_log"]], meta["compute_s"] / max(meta["step"], 1))
+                         [tuple(e) for e in meta["exchanges"]["log"]], meta["compute_s"] / max(meta["step"], 1))

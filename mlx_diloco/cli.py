@@ -10,57 +10,48 @@ from pathlib import Path
 from .cluster.protocol import DEFAULT_PORT
 from .config import ConfigError, TrainConfig
 
-HELP = {
-    "model": "model preset name (see models/), a preset .json file, or an mlx-lm model folder",
-    "data": "'shakespeare' (embedded), 'fashion-mnist', a text file, or a folder of .txt files",
-    "tokenizer": "HF/mlx-lm tokenizer folder (default: train a byte-level BPE on the corpus)",
-    "seq_len": "tokens per training sequence (0: the model's context, at most 1024)",
-    "batch_size": "sequences per worker per inner step",
-    "workers": "number of (simulated) workers",
-    "strategy": "training strategy: {strategies}",
-    "steps": "inner steps per worker",
-    "lr": "peak inner learning rate",
-    "warmup": "linear warmup steps before the cosine decay (-1: a fifth of the steps, at most 50)",
-    "weight_decay": "inner weight decay",
-    "beta1": "inner AdamW beta1",
-    "beta2": "inner AdamW beta2",
-    "grad_clip": "per-worker gradient norm clip (0 disables)",
-    "eval_every": "inner steps between evaluations (0: every outer step)",
-    "eval_batches": "held-out batches per evaluation",
-    "seed": "random seed (model init, data order)",
-    "link": "network for the time model: tb5, tb4, 10gbe, 1gbe, wifi, internet, or e.g. '100mbit/20ms'",
-    "step_time": "modelled seconds per inner step of a speed-1 worker, for the time model (0: as measured)",
-    "worker_speeds": "relative worker speeds, one per worker, e.g. 1,1,0.5,0.25 (simulates a mixed cluster)",
-    "speed_policy": "with worker speeds: fixed (H steps each; fast workers wait) or time (each worker takes the steps that fit a round)",
-    "vectorize": "train simulated workers together with mx.vmap (--no-vectorize: one after another)",
-    "loss": "loss function 'package.module:function' taking (model, x, y) (default: cross-entropy)",
-    "precision": "fp32, or bf16: weights, activations and gradients in bfloat16 (AdamW moments stay fp32)",
-    "moments_precision": "AdamW moments in fp32, or bf16 (half their memory)",
-    "grad_checkpoint": "recompute each block's activations in the backward pass: less memory, one more forward pass",
-    "memory_limit": "GB this process keeps to: MLX waits for work in flight instead of allocating past it (0: MLX's default)",
-}
-
-
 def add_config_flags(parser):
-    """A flag for every config key, and for every option of every strategy (strategies/)."""
+    """A flag for every config key, and for every option of every strategy (strategies/), each
+    with the help its field carries (options.option)."""
     from .strategies import STRATEGIES  # imports MLX: only once the parser is built (after the BLAS re-exec)
     parser.add_argument("--config", help="JSON file with config keys (flags given here override it)")
-    flags = [(f, HELP[f.name].format(strategies=", ".join(STRATEGIES))) for f in fields(TrainConfig)
-             if f.name != "strategy_options"]
-    seen = {f.name for f, _ in flags}
-    for cls in STRATEGIES.values():
+    names = []
+    for f in fields(TrainConfig):
+        listed = f": {', '.join(STRATEGIES)}" if f.name == "strategy" else ""  # the registered strategies
+        names += add_flag(parser, f, f.metadata["help"] + listed)
+    owners = {}  # option name -> (its field, the strategies that have it)
+    for name, cls in STRATEGIES.items():
         for f in fields(cls):
-            if f.name not in seen:
-                seen.add(f.name)
-                owners = [n for n, c in STRATEGIES.items() if f.name in {g.name for g in fields(c)}]
-                flags.append((f, f"{f.metadata['help']} ({', '.join(owners)})"))
-    for f, help in flags:
-        flag = "--" + f.name.replace("_", "-")
-        if f.type is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help)
-        else:
-            parser.add_argument(flag, dest=f.name, type=f.type, default=None, help=f"{help} (default: {f.default})")
-    parser.set_defaults(config_keys=sorted(seen))
+            owners.setdefault(f.name, (f, []))[1].append(name)
+    for f, strategies in owners.values():
+        if f.name not in names:
+            names += add_flag(parser, f, f"{f.metadata['help']} ({', '.join(strategies)})")
+    parser.set_defaults(config_keys=sorted(names))
+
+
+def add_plan_flags(parser):
+    """`plan`'s memory and what-if flags: config keys and its strategy's options, with plan's defaults."""
+    from .plan import FLAGS, STRATEGY, WHAT_IF
+    from .strategies import strategy_class
+    known = {f.name: f for f in (*fields(TrainConfig), *fields(strategy_class(STRATEGY)))}
+    for name in FLAGS:
+        add_flag(parser, known[name], known[name].metadata["help"], default=WHAT_IF.get(name))
+    parser.set_defaults(config_keys=list(FLAGS))
+
+
+def add_flag(parser, f, help: str, default=None) -> list:
+    """The flag of option field `f` (none for a field that is no plain value, strategy_options);
+    `default`: what the command takes when it is not given, if not the field's own (--help says it).
+    Returns the names of the flags added."""
+    if f.type not in (bool, int, float, str):
+        return []
+    flag = "--" + f.name.replace("_", "-")
+    if f.type is bool:
+        parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help)
+    else:
+        shown = "" if "(default:" in help else f" (default: {f.default if default is None else default})"
+        parser.add_argument(flag, dest=f.name, type=f.type, default=None, help=help + shown)
+    return [f.name]
 
 
 def given_flags(args) -> dict:
@@ -151,20 +142,23 @@ def cmd_sweep(args):
 
 
 def cmd_worker(args):
-    """One worker of a real cluster job (started by an agent, or by hand with MLX_RANK/MLX_HOSTFILE)."""
+    """One worker of a cluster job or of sim's processes, as its job file says (worker_job.py);
+    its rank and peers from MLX_RANK and MLX_HOSTFILE (set by the agent, by sim, or by hand)."""
     from .exchange.ring import init_ring
     from .training.run import Placement, Run
-    config = TrainConfig.from_file(args.config)
-    comm = init_ring(args.collective_timeout, args.workers_per_process)
+    from .worker_job import WorkerJob
+    job = WorkerJob.read(args.job)
+    config = TrainConfig.from_dict(job.config)
+    comm = init_ring(job.collective_timeout, job.workers_per_process)
     rank = comm.local_workers[0]
-    run_dir = Path(args.run_dir)
-    place = Placement(shard_dir=args.data_dir, data_worker=args.data_worker, num_shards=args.num_shards,
-                      checkpoint_dir=run_dir if args.own_run_dir else None,
-                      progress_path=args.progress, resume_step=args.resume_step)
-    run = Run(config, run_dir, comm, reporter=rank == 0, resume=args.resume_step is not None,
-              log=worker_log(args.simulated), place=place)
+    run_dir = Path(job.run_dir)
+    place = Placement(shard_dir=job.data_dir, data_worker=job.data_worker, num_shards=job.num_shards,
+                      checkpoint_dir=run_dir if job.own_run_dir else None,
+                      progress_path=job.progress, resume_step=job.resume_step)
+    run = Run(config, run_dir, comm, reporter=rank == 0, resume=job.resume_step is not None,
+              log=worker_log(job.simulated), place=place)
     summary = run.train()
-    if rank == 0 and not args.simulated:
+    if rank == 0 and not job.simulated:
         print_summary(summary)
 
 
@@ -281,7 +275,7 @@ def trained_on(s: dict) -> str:
 
 def cmd_plan(args):
     from .plan import print_plan
-    print_plan(args)
+    print_plan(given_flags(args), args.model, args.params, args.link, args.total_steps)
 
 
 def cmd_plot(args):
@@ -319,8 +313,8 @@ def parse_count(text: str) -> float:
 
 
 def build_parser(config_flags: bool = True):
-    """`config_flags=False` leaves out the training flags of sim and launch: building them imports
-    the strategies and MLX, which the control-plane commands (agent, discover) do without."""
+    """`config_flags=False` leaves out the config flags of sim, gym, sweep, launch and plan: building
+    them imports the strategies and MLX, which the control-plane commands (agent, discover) do without."""
     p = argparse.ArgumentParser(prog="mlx-diloco", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -370,21 +364,9 @@ def build_parser(config_flags: bool = True):
     s.set_defaults(func=cmd_sweep)
 
     s = sub.add_parser("worker", help="run one worker of a cluster job (MLX_RANK and MLX_HOSTFILE set)")
-    s.add_argument("--config", required=True, help="the job's JSON config")
-    s.add_argument("--run-dir", required=True, help="folder for metrics and checkpoints (written by rank 0)")
-    s.add_argument("--own-run-dir", action="store_true",
-                   help="the run folder is this worker's alone: checkpoint into it whatever the rank")
-    s.add_argument("--data-dir", help="a shard folder shipped by the launcher (default: read the config's data)")
-    s.add_argument("--data-worker", type=int, help="which shard this worker trains (default: its rank)")
-    s.add_argument("--num-shards", type=int, help="how many shards the data was cut into (default: workers)")
-    s.add_argument("--resume-step", type=int, help="resume from this step's checkpoint")
-    s.add_argument("--workers-per-process", type=int, default=1,
-                   help="simulated workers this process trains (sim --processes; 1 on a cluster)")
-    s.add_argument("--collective-timeout", type=float, default=60.0,
-                   help="seconds a collective may wait for peers before this worker exits")
-    s.add_argument("--progress", help="JSON file rewritten every step with step, loss, tokens/s, sync time")
-    s.add_argument("--simulated", action="store_true",
-                   help="a process of 'sim', which reports the data's warnings and the summary itself")
+    s.add_argument("--job", required=True,
+                   help="the job file an agent or sim wrote: the config, the run folder, data, resume step "
+                        "(mlx_diloco/worker_job.py)")
     s.set_defaults(func=cmd_worker)
 
     s = sub.add_parser("agent", help="serve this machine to clusters (advertised over mDNS)")
@@ -431,18 +413,8 @@ def build_parser(config_flags: bool = True):
     s.add_argument("--params", type=parse_count, default=None,
                    help="model parameters, e.g. 7B or 124M (default: --model's, else 7B)")
     s.add_argument("--model", help="a preset (or preset file, model folder): also estimate memory per worker")
-    s.add_argument("--batch-size", type=int, default=16, help="sequences per worker per step (memory)")
-    s.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (memory; 0: the model's context, at most 1024)")
-    s.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="training precision (memory)")
-    s.add_argument("--moments-precision", default="fp32", choices=["fp32", "bf16"], help="AdamW moments (memory)")
-    s.add_argument("--grad-checkpoint", action="store_true", help="activation checkpointing per block (memory)")
-    s.add_argument("--offload-outer", action="store_true", help="global model and outer momentum in files (memory)")
-    s.add_argument("--compress", default="fp16", help="codec of exchanged values (see codecs.py)")
-    s.add_argument("--fragments", type=int, default=1, help="P: fragments synced at staggered steps (Streaming DiLoCo)")
-    s.add_argument("--overlap-steps", type=int, default=0, help="tau: inner steps that hide each fragment's exchange")
-    s.add_argument("--workers", type=int, default=2, help="workers in the ring")
-    s.add_argument("--sync-every", type=int, default=500, help="DiLoCo H")
-    s.add_argument("--step-time", type=float, default=60.0, help="seconds of compute per inner step")
+    if config_flags:
+        add_plan_flags(s)
     s.add_argument("--total-steps", type=int, default=None, help="also print training time for this many steps")
     s.add_argument("--link", action="append", help="link preset or 'BW/LATENCY' (repeatable; default: all presets)")
     s.set_defaults(func=cmd_plan)
@@ -476,7 +448,7 @@ def main(argv=None):
     from .blas import ensure_fast_blas
     ensure_fast_blas(None if argv is None else ["-m", "mlx_diloco", *argv])
     command = (sys.argv[1:] if argv is None else argv)[:1]
-    args = build_parser(config_flags=command in (["sim"], ["launch"], ["gym"], ["sweep"])).parse_args(argv)
+    args = build_parser(config_flags=command in (["sim"], ["launch"], ["gym"], ["sweep"], ["plan"])).parse_args(argv)
     try:
         args.func(args)
     except ConfigError as e:

@@ -1,15 +1,17 @@
-"""Run configuration: one dataclass with every training setting, checked on the way in.
+"""Run configuration: one dataclass with every training setting, each declared once with its
+help (`option`): the command line's flags, the Python API's arguments and `plan`'s are derived
+from these fields. Checked on the way in: names, types and ranges of the config's own keys.
 
-Below it: options.py (errors, typed values, did-you-mean), the strategies (whose options a flat
-config carries), exchange/network.py and speeds.py (which parse the link and the worker
-speeds). None of them imports this module; training/run.py's `resolve` turns a config into the
-run's (config, strategy, model spec)."""
+Below it: options.py (errors, typed values, did-you-mean), exchange/network.py and speeds.py
+(which parse the link and the worker speeds). It imports nothing above them: every other key of a
+flat config is a strategy option, which the strategy checks where it is built
+(training/resolve.py's `resolve`, which turns a config into the run's config, strategy and model spec)."""
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from .exchange.network import parse_link
-from .options import ConfigError, did_you_mean, from_dict, read_json  # ConfigError: most callers import it from here
+from .options import ConfigError, from_dict, option, read_json  # ConfigError: most callers import it from here
 from .speeds import Speeds
 
 
@@ -21,69 +23,66 @@ DEFAULT_MAX_SEQ_LEN = 1024  # what seq-len 0 stands for at most (a model folder 
 @dataclass
 class TrainConfig:
     # What to train on
-    model: str = "small"            # preset name (models/*.json), a preset JSON file, or an mlx-lm model folder
-    data: str = "shakespeare"       # 'shakespeare' (embedded), 'fashion-mnist', a text file or a folder of .txt
-    tokenizer: str = ""             # '' trains a byte-level BPE on the corpus; or an HF/mlx-lm tokenizer folder
-    seq_len: int = 0                # 0: the model's context length, at most DEFAULT_MAX_SEQ_LEN
-    batch_size: int = 16            # sequences per worker per inner step
+    model: str = option("small", "model preset name (see models/), a preset .json file, or an mlx-lm model folder")
+    data: str = option("shakespeare", "'shakespeare' (embedded), 'fashion-mnist', a text file, or a folder "
+                                      "of .txt files")
+    tokenizer: str = option("", "HF/mlx-lm tokenizer folder (default: train a byte-level BPE on the corpus)")
+    seq_len: int = option(0, f"tokens per training sequence (0: the model's context, at most {DEFAULT_MAX_SEQ_LEN})")
+    batch_size: int = option(16, "sequences per worker per inner step")
     # The simulated (or real) cluster, and the strategy (strategies/: its options are its own)
-    workers: int = 4
-    strategy: str = "diloco"
-    strategy_options: dict = field(default_factory=dict)  # e.g. {"sync_every": 50}; flat in files and flags
-    steps: int = 500                # inner steps per worker
+    workers: int = option(4, "number of (simulated) workers")
+    strategy: str = option("diloco", "training strategy")  # the command line lists the registered ones
+    strategy_options: dict = option({}, "the strategy's options, e.g. {\"sync_every\": 50}; flat in files and flags")
+    steps: int = option(500, "inner steps per worker")
     # Inner optimizer: AdamW with PyTorch-equivalent settings
-    lr: float = 1e-3
-    warmup: int = -1                # linear warmup steps; -1: a fifth of the run, at most 50 (warmup_steps)
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0          # per-worker global-norm clip; 0 disables
+    lr: float = option(1e-3, "peak inner learning rate")
+    warmup: int = option(-1, "linear warmup steps before the cosine decay "
+                             f"(-1: a fifth of the steps, at most {MAX_AUTO_WARMUP})")
+    weight_decay: float = option(0.1, "inner weight decay")
+    beta1: float = option(0.9, "inner AdamW beta1")
+    beta2: float = option(0.95, "inner AdamW beta2")
+    grad_clip: float = option(1.0, "per-worker gradient norm clip (0 disables)")
     # Evaluation, bookkeeping
-    eval_every: int = 0             # inner steps between evaluations; 0 = every outer step (or 50 for ddp)
-    eval_batches: int = 8
-    seed: int = 0
-    link: str = "1gbe"              # network preset (or 'BW[/LATENCY]', e.g. '100mbit/20ms') for the time model
-    step_time: float = 0.0          # modelled seconds of a speed-1 inner step (0: as measured here)
-    worker_speeds: str = ""         # relative speeds, one per worker ('1,1,0.5,0.25'); '' all equal
-    speed_policy: str = "fixed"     # fixed (H steps each, fast workers wait) or time (speeds.py)
-    vectorize: bool = True          # train simulated workers with mx.vmap (False: one after another)
-    loss: str = ""                  # '' cross-entropy; or an importable loss function 'package.module:function'
+    eval_every: int = option(0, "inner steps between evaluations (0: every outer step, or 50 without one)")
+    eval_batches: int = option(8, "held-out batches per evaluation")
+    seed: int = option(0, "random seed (model init, data order)")
+    link: str = option("1gbe", "network for the time model: tb5, tb4, 10gbe, 1gbe, wifi, internet, or e.g. "
+                               "'100mbit/20ms'")
+    step_time: float = option(0.0, "modelled seconds per inner step of a speed-1 worker, for the time model "
+                                   "(0: as measured)")
+    worker_speeds: str = option("", "relative worker speeds, one per worker, e.g. 1,1,0.5,0.25 "
+                                    "(simulates a mixed cluster)")
+    speed_policy: str = option("fixed", "with worker speeds: fixed (H steps each; fast workers wait) or time "
+                                        "(each worker takes the steps that fit a round; speeds.py)")
+    vectorize: bool = option(True, "train simulated workers together with mx.vmap (--no-vectorize: one after another)")
+    loss: str = option("", "loss function 'package.module:function' taking (model, x, y) (default: cross-entropy)")
     # Memory (issue 11): what the replicas are stored and computed in
-    precision: str = "fp32"         # fp32, or bf16: weights, activations, gradients (models/precision.py)
-    moments_precision: str = "fp32"  # AdamW's moments: fp32, or bf16 (half their memory)
-    grad_checkpoint: bool = False   # recompute each block's activations in the backward pass (models/checkpointing.py)
-    memory_limit: float = 0.0       # GB per process that MLX keeps to (0: MLX's default); see training/run.py
+    precision: str = option("fp32", "fp32, or bf16: weights, activations and gradients in bfloat16 "
+                                    "(AdamW moments stay fp32; models/precision.py)")
+    moments_precision: str = option("fp32", "AdamW moments in fp32, or bf16 (half their memory)")
+    grad_checkpoint: bool = option(False, "recompute each block's activations in the backward pass: less memory, "
+                                          "one more forward pass (models/checkpointing.py)")
+    memory_limit: float = option(0.0, "GB this process keeps to: MLX waits for work in flight instead of "
+                                      "allocating past it (0: MLX's default)")
 
     @classmethod
-    def from_dict(cls, params: dict, check_strategy: bool = True) -> "TrainConfig":
-        """Config keys and the strategy's options side by side ({"strategy": "diloco", "sync_every": 50});
-        every key is checked against the config and the chosen strategy, every value against its type.
-        `check_strategy=False` checks the config's own keys only and keeps the rest as strategy
-        options, unchecked: for the agent, which must not import MLX (its worker checks them)."""
+    def from_dict(cls, params: dict) -> "TrainConfig":
+        """Config keys and the strategy's options side by side ({"strategy": "diloco", "sync_every": 50}):
+        the config's own keys are checked here (names, types, ranges); every other key is kept as a
+        strategy option, which `strategies.make_strategy` checks where the run builds its strategy
+        (training/resolve.py). The agent reads configs so, without MLX."""
         if not isinstance(params, dict):
             return from_dict(cls, params, what="config key")  # the one-line error for a non-object
-        own = {f.name for f in fields(cls)}
-        if not check_strategy:
-            config = from_dict(cls, {k: v for k, v in params.items() if k in own}, what="config key")
-            config.strategy_options = {k: v for k, v in params.items() if k not in own}
-            config.check_values()
-            return config
-        from .strategies import STRATEGIES, strategy_class  # here, not on top: the agent reads configs without MLX
-        name = params.get("strategy", cls.strategy)
-        theirs = {f.name for f in fields(strategy_class(name))} if isinstance(name, str) else set()
-        options = dict(params.get("strategy_options") or {})
-        for key in params:
-            if key in theirs:
-                options[key] = params[key]
-            elif key not in own:
-                others = [n for n, c in STRATEGIES.items() if key in {f.name for f in fields(c)}]
-                if others:
-                    raise ConfigError(f"'{key}' is an option of {', '.join(others)}, not of strategy {name}")
-                raise ConfigError(f"unknown config key '{key}'; {did_you_mean(key, sorted(own | theirs))}")
-        config = from_dict(cls, {k: v for k, v in params.items() if k in own and k != "strategy_options"},
-                           what="config key")
-        config.strategy_options = options
-        return config.validated()
+        own = {f.name for f in fields(cls)} - {"strategy_options"}
+        options = params.get("strategy_options") or {}
+        if not isinstance(options, dict):
+            raise ConfigError(f"strategy_options must be a JSON object ({{\"sync_every\": 50, ...}}), "
+                              f"not a {type(options).__name__}")
+        config = from_dict(cls, {k: v for k, v in params.items() if k in own}, what="config key")
+        config.strategy_options = {**options, **{k: v for k, v in params.items()
+                                                 if k not in own and k != "strategy_options"}}
+        config.check_values()
+        return config
 
     @classmethod
     def from_file(cls, path) -> "TrainConfig":
@@ -97,27 +96,18 @@ class TrainConfig:
         flat = asdict(self)
         return {**{k: v for k, v in flat.items() if k != "strategy_options"}, **flat["strategy_options"]}
 
-    def make_strategy(self):
-        """The strategy this config names, with its options (checked there)."""
-        from .strategies import make_strategy  # on call, as in from_dict: strategies import MLX
-        return make_strategy(self.strategy, self.strategy_options)
-
     def warmup_steps(self) -> int:
         """The learning rate's warmup in steps: as set, or (-1) a fifth of the run, at most 50 steps,
         so that a short run is not spent warming up (60 steps: 12, not 50; 250 steps or more: 50)."""
         return self.warmup if self.warmup >= 0 else min(MAX_AUTO_WARMUP, self.steps // 5)
 
-    def validated(self) -> "TrainConfig":
-        self.check_values()
-        self.check_strategy(self.make_strategy())  # its options: names, types, ranges
-        return self
-
     def check_strategy(self, strategy):
-        """What the config asks of `strategy`: speed-policy time paces workers between syncs, so
-        the strategy must exchange nothing between them, and every worker must step in a round."""
+        """What the config asks of its strategy (built from it: training/resolve.py): speed-policy
+        time paces workers between syncs, so the strategy must exchange nothing between them, and
+        every worker must step in a round."""
         if self.speed_policy != "time":
             return
-        if not strategy.steps_can_differ or getattr(strategy, "ddp_warmup_steps", 0):
+        if not strategy.steps_can_differ:
             raise ConfigError(f"speed-policy time needs a strategy that exchanges only at its syncs "
                               f"(diloco, fedavg, muloco; no ddp-warmup-steps), not {strategy.name}; "
                               "use --speed-policy fixed")
@@ -151,3 +141,4 @@ class TrainConfig:
         need(self.step_time >= 0, f"step-time must be >= 0 seconds, 0 to measure it (got {self.step_time})")
         need(self.memory_limit >= 0, f"memory-limit must be >= 0 GB, 0 for MLX's default (got {self.memory_limit})")
         need(not self.loss or ":" in self.loss, f"loss '{self.loss}' must name a function as 'package.module:function'")
+

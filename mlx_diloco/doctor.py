@@ -45,15 +45,18 @@ def report() -> list:
 def preset_lines() -> list:
     """Which model presets one worker can train here (plan's memory estimate; language models at
     batch 4 x 512 tokens, image models at batch 4)."""
-    from .memory import GB, MemoryOptions, estimate, flags, make_it_fit, model_shape
+    from .config import TrainConfig
+    from .memory import GB, MemoryOptions, estimate, flags, make_it_fit, model_params, model_shape
     from .models.zoo import preset_names
-    from .plan import model_params
+    from .strategies import make_strategy
     budget = hostinfo.training_memory()
+    strategy = make_strategy(TrainConfig.strategy, {})  # sim's, with its defaults
     as_is, changed, too_large = [], [], []
     for preset in preset_names():
         spec, n = model_params(preset)
         name = preset if spec.is_language_model else f"{preset} (images)"
-        o = MemoryOptions(batch_size=4, seq_len=min(spec.context_length, 512) if spec.is_language_model else 0)
+        config = TrainConfig(batch_size=4, seq_len=min(spec.context_length, 512) if spec.is_language_model else 0)
+        o = MemoryOptions.of(config, strategy)
         shape = model_shape(spec.params, n)
         fix = make_it_fit(shape, o, budget)
         if fix == o:

@@ -6,9 +6,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from .config import ConfigError, TrainConfig
-from .exchange.worker_axis import replica
 from .models.zoo import ModelSpec, build_model
-from .strategies.diloco import DiLoCo
+from .strategies import make_strategy
 from .training import checkpoint
 
 
@@ -27,14 +26,11 @@ def load_trained_model(run_dir):
 
 
 def global_parameters(model, arrays: dict, meta: dict) -> dict:
-    """The global model a checkpoint holds, in the dtypes of `model`'s parameters: DiLoCo's
-    fragments' global values in their places; for the other strategies worker 0's parameters
-    (their replicas are equal, or end so)."""
-    strategy = arrays.get("strategy", {})
-    if "fragments" not in strategy:
-        return replica(arrays["workers"]["params"])
-    order = TrainConfig.from_dict(meta["config"]).strategy_options.get("fragment_order", "strided")
-    return DiLoCo.global_from_state(model.trainable_parameters(), strategy, order)
+    """The global model a checkpoint holds, in the dtypes of `model`'s parameters, as the run's
+    strategy (built from the checkpoint's config) reads it from the checkpoint's arrays."""
+    config = TrainConfig.from_dict(meta["config"])
+    strategy = make_strategy(config.strategy, config.strategy_options)
+    return strategy.global_from_state(model.trainable_parameters(), arrays)
 
 
 def export_mlx_lm(run_dir, out_dir) -> Path:

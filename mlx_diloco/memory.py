@@ -2,8 +2,9 @@
 
     weights, gradients          P x (4 bytes fp32, 2 bf16)
     AdamW moments               2P x (4 or 2)
-    DiLoCo's outer state        the global model and the outer momentum: 2P x 4 (fp32 always), or
-                                nothing with offload-outer (they wait in a file between syncs)
+    the strategy's outer state  what it keeps between syncs (strategy.outer_copies: DiLoCo's global
+                                model and outer momentum, 2P x 4, fp32 always), or nothing with
+                                offload-outer (they wait in a file between syncs)
     activations                 per block, what the backward pass keeps, plus the logits (or,
                                 checkpointed, each block's input and the larger of one block's
                                 recomputation and the loss's piece)
@@ -12,10 +13,11 @@
     the evaluation              the global model in the training precision and a forward pass
 
 The activation constants are fitted to MLX's measured peak memory (`bench/memory.py`, which
-prints the estimate beside the measurement). MLX-free: `plan`, `doctor` and the launcher use it.
+prints the estimate beside the measurement). MLX-free at import: `plan` prints these estimates,
+`doctor` and the launcher use them. The strategy is asked what it keeps, never named.
 """
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 GB = 1e9
 MAC_MEMORY_GB = (16, 24, 32, 64)  # the Macs people pool
@@ -46,24 +48,32 @@ def model_shape(params: dict, parameters: int) -> Shape:
                  attention_copies=3 if "n_head" in params else 1)
 
 
+# The options `make_it_fit` may turn, as flags: config keys, and the strategy's options of these names.
+SETTINGS = ("batch_size", "seq_len", "precision", "moments_precision", "grad_checkpoint", "offload_outer",
+            "fragments")
+
+
 @dataclass
 class MemoryOptions:
-    """The choices that decide a worker's memory (config keys and DiLoCo options of the same names)."""
-    batch_size: int = 16
-    seq_len: int = 64
-    precision: str = "fp32"
-    moments_precision: str = "fp32"
-    grad_checkpoint: bool = False
-    offload_outer: bool = False
-    fragments: int = 1
-    strategy: str = "diloco"
+    """The choices that decide a worker's memory, from a config and its strategy (`of`)."""
+    batch_size: int
+    seq_len: int
+    precision: str
+    moments_precision: str
+    grad_checkpoint: bool
+    offload_outer: bool      # the strategy's option (False where it has none)
+    fragments: int           # the strategy's option: P fragments synced one at a time (1 where it has none)
+    outer_copies: int        # model-sized fp32 arrays the strategy keeps between syncs, unless offloaded
+    periodic: bool           # it syncs every H steps: a sync's buffers, and a global model to evaluate
+    strategy_options: tuple  # the names of its options: which of offload_outer, fragments it can turn
 
     @classmethod
-    def of(cls, config) -> "MemoryOptions":
-        """The options of a TrainConfig (its seq-len resolved)."""
-        o = config.strategy_options
+    def of(cls, config, strategy) -> "MemoryOptions":
+        """The options of a TrainConfig (its seq-len resolved) and the strategy built from it."""
+        options = strategy.options()
         return cls(config.batch_size, config.seq_len, config.precision, config.moments_precision,
-                   config.grad_checkpoint, o.get("offload_outer", False), o.get("fragments", 1), config.strategy)
+                   config.grad_checkpoint, options.get("offload_outer", False), options.get("fragments", 1),
+                   strategy.outer_copies, strategy.sync_every > 0, tuple(options))
 
     def describe(self) -> str:
         parts = [f"batch {self.batch_size} x {self.seq_len}", self.precision]
@@ -91,14 +101,14 @@ def estimate(shape: Shape, o: MemoryOptions, workers: int = 1) -> dict:
         activations = shape.blocks * tokens * shape.hidden * w + max(per_block, 18 * logits - P * w)
     else:
         activations = shape.blocks * per_block + 22 * logits
-    periodic = o.strategy in ("diloco", "fedavg", "sparta-diloco", "muloco")
+    periodic = o.periodic
     fragment = P // max(o.fragments, 1)
     parts = {
         "runtime": RUNTIME_BYTES,
         "weights": workers * P * w,
         "gradients": workers * P * w,
         "moments": workers * 2 * P * m,
-        "outer state": 2 * P * 4 if periodic and not o.offload_outer else 0,  # global model, momentum (fp32)
+        "outer state": 0 if o.offload_outer else o.outer_copies * P * 4,  # e.g. global model, momentum (fp32)
         "activations": workers * int(activations),
         # one fragment's buffers at a sync: its values, the pseudo-gradient and its mean, ~3.5 fp32
         # copies measured (offloaded, ~4: the global values and momentum read back, one at a time)
@@ -119,10 +129,13 @@ def macs_it_fits(total_bytes: float) -> list:
 
 def shrinking(shape: Shape, o: MemoryOptions) -> list:
     """What makes a job smaller, in the order worth trying: bf16, checkpointing and offloading
-    leave the loss as it is, Streaming DiLoCo's fragments (two blocks each; DiLoCo only) shrink the
-    sync and did better than DiLoCo in our runs, bf16 moments cost a little (docs/memory.md)."""
-    changes = [("precision", "bf16"), ("grad_checkpoint", True), ("offload_outer", True)]
-    if o.strategy == "diloco":
+    leave the loss as it is, Streaming DiLoCo's fragments (two blocks each) shrink the sync and did
+    better than DiLoCo in our runs, bf16 moments cost a little (docs/memory.md). Offloading and
+    fragments where the strategy has them as options."""
+    changes = [("precision", "bf16"), ("grad_checkpoint", True)]
+    if "offload_outer" in o.strategy_options:
+        changes.append(("offload_outer", True))
+    if "fragments" in o.strategy_options:
         changes.append(("fragments", max(shape.blocks // 2, o.fragments, 1)))
     return changes + [("moments_precision", "bf16")]
 
@@ -145,8 +158,40 @@ def make_it_fit(shape: Shape, o: MemoryOptions, budget: float):
 def flags(old: MemoryOptions, new: MemoryOptions) -> str:
     """The command-line flags that turn `old` into `new`."""
     out = []
-    for f in fields(MemoryOptions):
-        a, b = getattr(old, f.name), getattr(new, f.name)
+    for name in SETTINGS:
+        a, b = getattr(old, name), getattr(new, name)
         if a != b:
-            out.append(f"--{f.name.replace('_', '-')}" + ("" if b is True else f" {b}"))
+            out.append(f"--{name.replace('_', '-')}" + ("" if b is True else f" {b}"))
     return " ".join(out)
+
+
+def model_params(name: str):
+    """(preset spec, parameter count), without allocating the weights (MLX imported on call)."""
+    from .models.zoo import build_model, count_parameters, load_spec
+    spec = load_spec(name)
+    return spec, count_parameters(build_model(spec, lazy=True))
+
+
+def worker_estimate(config, strategy) -> tuple:
+    """(MemoryOptions, Shape, estimate) of one worker of a resolved TrainConfig and its strategy
+    (training/resolve.py; one worker per machine)."""
+    spec, n = model_params(config.model)
+    o, shape = MemoryOptions.of(config, strategy), model_shape(spec.params, n)
+    return o, shape, estimate(shape, o)
+
+
+def on_this_machine(shape, o: MemoryOptions, total: float, budget: float) -> str:
+    """Whether the job fits the `budget` bytes this machine offers, and the --memory-limit to
+    train it with: never more than the machine has. MLX allocates each operation's output when it
+    queues it, ahead of running it: unchecked, a step's peak can exceed what it needs by half
+    (docs/memory.md)."""
+    def limit(total):
+        return f"--memory-limit {min(total * 1.05, budget) / GB:.3g}"  # GB; 0 would mean no limit
+    here = f"on this machine ({budget / GB:.1f} GB for training)"
+    if total <= budget:
+        return f"{here}: keep the peak near the estimate with {limit(total)} (agents set it to what they offer)"
+    smaller = make_it_fit(shape, o, budget)
+    if smaller is None:
+        return f"{here}: does not fit, even at batch size 1 with every option above; use a smaller model"
+    smaller_total = estimate(shape, smaller)["total"]
+    return f"{here}: does not fit as is; with {flags(o, smaller)} {limit(smaller_total)} ({smaller_total / GB:.2f} GB)"

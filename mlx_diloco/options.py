@@ -1,10 +1,21 @@
-"""Options as users write them (config files, flags, strategy and model options): the one error
-type, typed values, and the did-you-mean hint. A leaf: it imports nothing of the package, so every
-layer can use it (config.py re-exports ConfigError, where most callers import it from)."""
+"""Options as users write them (config files, flags, strategy and model options): how one is
+declared (`option`), the one error type, typed values, and the did-you-mean hint. A leaf: it
+imports nothing of the package, so every layer can use it (config.py re-exports ConfigError,
+where most callers import it from)."""
 
+import copy
 import difflib
 import json
-from dataclasses import fields
+from dataclasses import field, fields
+from functools import partial
+
+
+def option(default, help: str, **kwargs):
+    """A config key or strategy option: a dataclass field with its default and its help, the one
+    line that `--help` shows; the flags, the API's arguments and `plan` are derived from it."""
+    if isinstance(default, (dict, list)):  # mutable: every instance gets its own copy
+        return field(default_factory=partial(copy.deepcopy, default), metadata={"help": help}, **kwargs)
+    return field(default=default, metadata={"help": help}, **kwargs)
 
 
 class ConfigError(ValueError):

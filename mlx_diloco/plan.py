@@ -1,12 +1,26 @@
 """`mlx-diloco plan`: what-if estimates of sync time and utilisation for any model, link and H,
-codec, number of fragments (Streaming DiLoCo) and overlap; with --model, memory per worker too."""
+codec, number of fragments (Streaming DiLoCo) and overlap; with --model, memory per worker too
+(memory.py's estimates: this module prints them)."""
 
+from dataclasses import replace
+
+from .cluster import hostinfo
+from .config import DEFAULT_MAX_SEQ_LEN, TrainConfig
 from .exchange.codecs import get_codec
 from .exchange.comm import exchange_plan
-from .cluster import hostinfo
 from .exchange.network import LINKS, exchange_time, parse_link
-from .memory import GB, GPU_SHARE, MAC_MEMORY_GB, MemoryOptions, estimate, flags, macs_it_fits, make_it_fit, model_shape
+from .memory import (GB, GPU_SHARE, MAC_MEMORY_GB, MemoryOptions, estimate, flags, macs_it_fits, make_it_fit,
+                     model_params, model_shape, on_this_machine)
+from .strategies import make_strategy
 from .training.metrics import human_bytes
+
+# plan's flags are config keys and DiLoCo's options (their help from their fields, cli.py), with
+# what-if defaults of its own where sim's would not say much: a pair of machines, a large H, and
+# the minute a step of a large model takes.
+STRATEGY = "diloco"  # plan's columns set DDP beside (Streaming) DiLoCo
+FLAGS = ("batch_size", "seq_len", "precision", "moments_precision", "grad_checkpoint", "offload_outer",
+         "compress", "fragments", "overlap_steps", "workers", "sync_every", "step_time")
+WHAT_IF = {"workers": 2, "sync_every": 500, "step_time": 60.0}
 
 
 def plan(params: float, codec: str, workers: int, sync_every: int, step_time: float, links: list,
@@ -45,27 +59,13 @@ def format_duration(s: float) -> str:
     return f"{s / 86400:.3g} days"
 
 
-def model_params(name: str):
-    """(preset spec, parameter count), without allocating the weights."""
-    from .models.zoo import build_model, count_parameters, load_spec
-    spec = load_spec(name)
-    return spec, count_parameters(build_model(spec, lazy=True))
-
-
-def worker_estimate(config) -> tuple:
-    """(MemoryOptions, Shape, estimate) of one worker of a resolved TrainConfig (one per machine)."""
-    spec, n = model_params(config.model)
-    o, shape = MemoryOptions.of(config), model_shape(spec.params, n)
-    return o, shape, estimate(shape, o)
-
-
-def print_memory(args):
-    spec, n = model_params(args.model)
-    o = MemoryOptions(args.batch_size, args.seq_len or min(spec.context_length, 1024), args.precision,
-                      args.moments_precision, args.grad_checkpoint, args.offload_outer, args.fragments)
-    shape = model_shape(spec.params, n)
+def print_memory(model: str, config: TrainConfig, strategy) -> int:
+    """Memory of one worker training `model` with `config` and `strategy`; returns its parameter count."""
+    spec, n = model_params(model)
+    config = replace(config, seq_len=config.seq_len or min(spec.context_length, DEFAULT_MAX_SEQ_LEN))
+    o, shape = MemoryOptions.of(config, strategy), model_shape(spec.params, n)
     est = estimate(shape, o)
-    print(f"memory of one DiLoCo worker: model {args.model} ({n / 1e6:,.1f}M parameters), {o.describe()}")
+    print(f"memory of one DiLoCo worker: model {model} ({n / 1e6:,.1f}M parameters), {o.describe()}")
     print("  " + ", ".join(f"{k} {v / GB:.2f} GB" for k, v in est.items() if v and k != "total"))
     macs = macs_it_fits(est["total"])
     print(f"  total {est['total'] / GB:.2f} GB ({est['total'] / n:.1f} bytes/parameter): fits Macs of "
@@ -81,63 +81,49 @@ def print_memory(args):
     return n
 
 
-def on_this_machine(shape, o: MemoryOptions, total: float, budget: float) -> str:
-    """Whether the job fits the `budget` bytes this machine offers, and the --memory-limit to
-    train it with: never more than the machine has. MLX allocates each operation's output when it
-    queues it, ahead of running it: unchecked, a step's peak can exceed what it needs by half
-    (docs/memory.md)."""
-    def limit(total):
-        return f"--memory-limit {min(total * 1.05, budget) / GB:.3g}"  # GB; 0 would mean no limit
-    here = f"on this machine ({budget / GB:.1f} GB for training)"
-    if total <= budget:
-        return f"{here}: keep the peak near the estimate with {limit(total)} (agents set it to what they offer)"
-    smaller = make_it_fit(shape, o, budget)
-    if smaller is None:
-        return f"{here}: does not fit, even at batch size 1 with every option above; use a smaller model"
-    smaller_total = estimate(shape, smaller)["total"]
-    return f"{here}: does not fit as is; with {flags(o, smaller)} {limit(smaller_total)} ({smaller_total / GB:.2f} GB)"
-
-
-def print_plan(args):
-    if args.model:
-        n = print_memory(args)
-        args.params = args.params or n
-    args.params = args.params or 7e9
-    links = [parse_link(l) for l in args.link] if args.link else list(LINKS.values())
-    P, tau = args.fragments, args.overlap_steps
-    rows = plan(args.params, args.compress, args.workers, args.sync_every, args.step_time, links,
-                args.total_steps, P, tau)
-    codec = get_codec(args.compress)
-    algorithm, _, payload, sent = exchange_plan(codec, int(args.params), args.workers)
-    _, _, _, frag_sent = exchange_plan(codec, int(args.params) // P, args.workers)
-    print(f"model {args.params / 1e9:g}B parameters in {codec.name} = {human_bytes(payload)} per sync "
-          f"({payload / args.params:.3g} bytes/parameter); {args.workers} workers, {algorithm.replace('_', ' ')}: "
-          f"each sends {human_bytes(sent)} per sync; step time {format_duration(args.step_time)}, H = {args.sync_every}")
+def print_plan(given: dict, model: str = None, params: float = None, links: list = None, total_steps: int = None):
+    """`plan`'s output for the config keys and DiLoCo options `given` (over WHAT_IF and their
+    defaults), `model` (also its memory) or `params`, `links` (default: every preset)."""
+    config = TrainConfig.from_dict({**WHAT_IF, **given, "strategy": STRATEGY})
+    strategy = make_strategy(config.strategy, config.strategy_options)
+    if model:
+        n = print_memory(model, config, strategy)
+        params = params or n
+    params = params or 7e9
+    links = [parse_link(l) for l in links] if links else list(LINKS.values())
+    options, workers, step_time, H = strategy.options(), config.workers, config.step_time, strategy.sync_every
+    P, tau = options["fragments"], options["overlap_steps"]
+    rows = plan(params, options["compress"], workers, H, step_time, links, total_steps, P, tau)
+    codec = get_codec(options["compress"])
+    algorithm, _, payload, sent = exchange_plan(codec, int(params), workers)
+    _, _, _, frag_sent = exchange_plan(codec, int(params) // P, workers)
+    print(f"model {params / 1e9:g}B parameters in {codec.name} = {human_bytes(payload)} per sync "
+          f"({payload / params:.3g} bytes/parameter); {workers} workers, {algorithm.replace('_', ' ')}: "
+          f"each sends {human_bytes(sent)} per sync; step time {format_duration(step_time)}, H = {H}")
     if P > 1 or tau:
         print(f"streaming: {P} fragments, each exchange sends {human_bytes(frag_sent)} (peak), "
               f"overlapped with {tau} inner steps")
     head = f"{'link':34} {'sync time':>11} {'fragment':>11} {'DDP util':>9} {'DiLoCo util':>12}"
-    if args.total_steps:
+    if total_steps:
         head += f" {'single':>11} {'DDP':>11} {'DiLoCo':>11}"
     print(head)
     for r in rows:
         line = (f"{r['link']:34} {format_duration(r['sync_s']):>11} {format_duration(r['fragment_s']):>11} "
                 f"{r['ddp_util']:>9.1%} {r['diloco_util']:>12.1%}")
-        if args.total_steps:
+        if total_steps:
             line += "".join(f" {format_duration(r[k]):>11}" for k in ("single_s", "ddp_s", "diloco_s"))
         print(line)
-    print(legend(args))
+    print(legend(H, tau, workers, total_steps))
 
 
-def legend(args) -> str:
+def legend(H: int, tau: int, workers: int, total_steps: int = None) -> str:
     """What the columns mean."""
     lines = ["sync time: one exchange of the whole model; fragment: one exchange of 1/P of it (Streaming "
              "DiLoCo, --fragments P; the whole model when P = 1)",
              "DDP util, DiLoCo util: the share of the time spent computing, with an exchange after every step "
-             f"(DDP) or every H = {args.sync_every} steps (DiLoCo"
-             + (f"; each fragment's exchange less what {args.overlap_steps} overlapped steps hide)"
-                if args.overlap_steps else ")")]
-    if args.total_steps:
-        lines.append(f"single, DDP, DiLoCo: time to train {args.total_steps:,} steps in all: on one machine, "
-                     f"and split over {args.workers} workers with DDP or DiLoCo")
+             f"(DDP) or every H = {H} steps (DiLoCo"
+             + (f"; each fragment's exchange less what {tau} overlapped steps hide)" if tau else ")")]
+    if total_steps:
+        lines.append(f"single, DDP, DiLoCo: time to train {total_steps:,} steps in all: on one machine, "
+                     f"and split over {workers} workers with DDP or DiLoCo")
     return "\n".join(lines)

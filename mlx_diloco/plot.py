@@ -9,16 +9,12 @@ from .training.metrics import MetricsLog
 
 
 def label(strategy: str, options: dict, config: dict) -> str:
-    """A short name for a run: the strategy and what sets it apart."""
-    parts = [strategy]
-    if options.get("sync_every"):
-        parts.append(f"H={options['sync_every']}")
-    if options.get("fragments", 1) > 1:
-        parts.append(f"P={options['fragments']}")
-    if options.get("overlap_steps"):
-        parts.append(f"tau={options['overlap_steps']}")
-    if options.get("compress") not in (None, "fp16"):
-        parts.append(options["compress"] + ("+ef" if options.get("error_feedback") else ""))
+    """A short name for a run: the strategy's label (what its options set apart), and its pacing."""
+    from .strategies import make_strategy  # on call: the strategies import MLX
+    try:
+        parts = [make_strategy(strategy, options).label()]
+    except ConfigError:  # a strategy this process has not registered (a user's own): its name
+        parts = [strategy]
     if config.get("worker_speeds"):
         parts.append(f"{config.get('speed_policy', 'fixed')}-paced")
     return " ".join(parts)

@@ -1,6 +1,10 @@
 """A run folder's files, as every part of mlx-diloco reads them: the checkpoints on disk (their
-names, which are complete, the newest) and whether a folder already holds a run. MLX-free: the
-agent reads its workers' checkpoints with it (training/checkpoint.py writes and loads them)."""
+names, which are complete, the newest), the schema of a checkpoint's meta and its layout version,
+and whether a folder already holds a run. MLX-free: the agent reads its workers' checkpoints with
+it (training/checkpoint.py writes and loads their arrays).
+
+A checkpoint is two files: `ckpt-STEP.safetensors` (the arrays) and `ckpt-STEP.json` (its meta,
+below). `latest.json` names the newest complete one."""
 
 import json
 import os
@@ -8,6 +12,21 @@ import struct
 from pathlib import Path
 
 from .options import ConfigError
+
+LAYOUT = 2  # the checkpoint layout this version writes and reads; the versions before it wrote 1
+
+# A checkpoint's meta (ckpt-STEP.json): every key, always present. A change here is a new LAYOUT.
+META = {
+    "layout": "the layout that wrote it (LAYOUT); the versions before layouts had none: 1",
+    "step": "steps taken",
+    "config": "the run's config, flat (TrainConfig.to_dict())",
+    "cursors": "each local worker's data sampler state, a list",
+    "compute_s": "seconds spent computing so far, a float",
+    "worker_speeds": "the workers' measured relative speeds, a list, or None",
+    "exchanges": "the exchange ledger's state (ExchangeLedger.state())",
+    "model_preset": "the model's preset, a dict, or None (a model folder)",
+    "vocab_size": "the data's vocabulary size, an int, or None",
+}
 
 
 def _step_of(path: Path) -> int:
@@ -34,18 +53,53 @@ def candidates(folder: Path) -> list:
     return ([newest] if newest is not None else []) + [s for s in steps(folder) if s != newest]
 
 
+def meta_flaw(meta: dict) -> str:
+    """What is wrong with a meta's keys against META ('' if nothing)."""
+    flaws = []
+    if missing := sorted(META.keys() - meta.keys()):
+        flaws.append(f"it lacks {missing}")
+    if unknown := sorted(meta.keys() - META.keys()):
+        flaws.append(f"{unknown} are not in run_folder.META")
+    return "; ".join(flaws)
+
+
+def check_layout(meta: dict, folder: Path, step: int):
+    """One ConfigError line if checkpoint `step` (whose meta this is) has another layout than LAYOUT."""
+    layout = meta.get("layout", 1)
+    if layout == LAYOUT:
+        return
+    if isinstance(layout, int) and layout > LAYOUT:
+        raise ConfigError(f"checkpoint {step} in {folder} was written by a newer mlx-diloco (checkpoint layout "
+                          f"{layout}; this version reads layout {LAYOUT}); upgrade mlx-diloco to use it")
+    raise ConfigError(f"checkpoint {step} in {folder} was written by an older mlx-diloco (checkpoint layout "
+                      f"{layout}; this version reads layout {LAYOUT}); start a new run (another --run-dir), "
+                      "or resume, sample or export this one with the version that wrote it")
+
+
+def read_meta(folder: Path, step: int) -> dict:
+    """Checkpoint `step`'s meta (META): one ConfigError line for another layout; an unreadable
+    file or a meta of other keys raises as it is (a damaged checkpoint, which callers pass over)."""
+    meta = json.loads((Path(folder) / f"ckpt-{step}.json").read_text())
+    check_layout(meta, folder, step)
+    if why := meta_flaw(meta):
+        raise ValueError(f"its meta does not match the schema: {why}")
+    return meta
+
+
 def flaw(folder: Path, step: int) -> str:
     """What is wrong with checkpoint `step`'s files ('' if nothing), found without reading its
-    arrays: the JSON parses, and the safetensors file is as long as its header says (a torn write
-    is shorter)."""
+    arrays: the meta reads (one ConfigError line, raised, for another layout), and the safetensors
+    file is as long as its header says (a torn write is shorter)."""
     folder = Path(folder)
     try:
-        json.loads((folder / f"ckpt-{step}.json").read_text())
+        read_meta(folder, step)
         with open(folder / f"ckpt-{step}.safetensors", "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(n))
             size = os.fstat(f.fileno()).st_size
         end = 8 + n + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except ConfigError:
+        raise
     except Exception as e:  # missing, torn, bad JSON, bad header...
         return f"{type(e).__name__}: {e}"
     return "" if size == end else f"its arrays file holds {size} of {end} bytes"

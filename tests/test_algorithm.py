@@ -36,11 +36,11 @@ def test_outer_step_is_nesterov_formula(tmp_path):
     theta = flat(run.strategy.global_params(None))
     v = {k: np.zeros_like(p) for k, p in theta.items()}
     for _ in range(3):
-        for _ in range(run.strategy.sync_every):
-            run.step += 1
-            run.workers.step(*run.next_batch(), run.strategy, run.step)
+        for _ in range(run.strategy.sync_every - 1):
+            run.step()
+        tick = run.inner_step()
         local = flat(run.workers.params)
-        run.workers.params = run.strategy.after_step(run.workers.params, run.step)
+        run.end_step(tick)  # the outer step
         for k in theta:
             delta = (theta[k][None] - local[k]).mean(axis=0)
             v[k] = 0.9 * v[k] + delta
@@ -54,10 +54,11 @@ def test_outer_step_is_nesterov_formula(tmp_path):
 
 def test_fedavg_global_is_mean_of_workers(tmp_path):
     run = make_run(tmp_path, "r", strategy="fedavg", compress="fp32", sync_every=3)
-    for step in range(1, 4):
-        run.workers.step(*run.next_batch(), run.strategy, step)
+    for _ in range(2):
+        run.step()
+    tick = run.inner_step()
     mean = tree_map(lambda p: p.mean(axis=0), run.workers.params)
-    run.strategy.after_step(run.workers.params, 3)
+    run.end_step(tick)  # the outer step
     assert_trees_close(run.strategy.global_params(None), mean, rtol=1e-5, atol=1e-6)
 
 
@@ -70,9 +71,8 @@ def test_diloco_h1_fedavg_equals_ddp_with_sgd(tmp_path):
         run = make_run(tmp_path, strategy, strategy=strategy, compress="fp32", grad_clip=0, **overrides)
         run.workers.optimizer = optim.SGD(learning_rate=0.5)
         run.workers.optimizer.init(run.workers.params)
-        for step in range(1, 6):
-            run.workers.step(*run.next_batch(), run.strategy, step)
-            run.workers.params = run.strategy.after_step(run.workers.params, step)
+        for _ in range(5):
+            run.step()
         results[strategy] = run.strategy.global_params(run.workers.params)
     assert_trees_close(results["diloco"], results["ddp"], rtol=1e-4, atol=1e-6)
     # and training did move the parameters
@@ -82,8 +82,8 @@ def test_diloco_h1_fedavg_equals_ddp_with_sgd(tmp_path):
 
 def test_ddp_keeps_replicas_identical(tmp_path):
     run = make_run(tmp_path, "r", strategy="ddp", workers=3, compress="fp32")
-    for step in range(1, 4):
-        run.workers.step(*run.next_batch(), run.strategy, step)
+    for _ in range(3):
+        run.step()
     for k, p in flat(run.workers.params).items():
         np.testing.assert_allclose(p[1], p[0], atol=1e-6, err_msg=k)
         np.testing.assert_allclose(p[2], p[0], atol=1e-6, err_msg=k)
@@ -95,7 +95,7 @@ def test_pseudo_gradient_bytes_are_accounted(tmp_path):
     # two outer steps, fp16 payload, ring all-reduce sends 2 (M-1)/M of it, after the all-gather of
     # every worker's largest value and non-finite count (two float32 each)
     payload = run.n_params * 2
-    assert run.bytes_sent == 2 * (int(2 * 3 / 4 * payload) + 3 * 8)
+    assert run.ledger.bytes_sent == 2 * (int(2 * 3 / 4 * payload) + 3 * 8)
 
 
 def test_a_short_last_round_lands_on_the_workers_mean(tmp_path):
@@ -104,12 +104,11 @@ def test_a_short_last_round_lands_on_the_workers_mean(tmp_path):
     mean, and the outer momentum is left as the last full round made it."""
     run = make_run(tmp_path, "r", strategy="diloco", compress="fp32", steps=10, outer_lr=0.7, outer_momentum=0.9)
     fragment = run.strategy.model_fragments[0]
-    for step in range(1, 11):
-        run.step = step
-        run.workers.step(*run.next_batch(), run.strategy, step)
-        if step == 10:
-            local, momentum = flat(run.workers.params), np.array(fragment.store.outer_state["p"]["v"])
-        run.workers.params = run.strategy.after_step(run.workers.params, step)
+    for _ in range(9):
+        run.step()
+    tick = run.inner_step()
+    local, momentum = flat(run.workers.params), np.array(fragment.store.outer_state["p"]["v"])
+    run.end_step(tick)  # the last, short round's outer step
     assert_trees_close(run.strategy.global_params(None), {k: v.mean(axis=0) for k, v in local.items()},
                        rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.array(fragment.store.outer_state["p"]["v"]), momentum)

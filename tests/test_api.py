@@ -8,6 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from mlx_diloco import DDP, SPARTA, DiLoCo, Trainer
 from mlx_diloco.config import ConfigError
@@ -158,3 +159,39 @@ def test_a_rebuildable_model_trains_in_processes_like_in_one(tmp_path, monkeypat
         Trainer(MLP(), loss_fn, (x, y), eval_batches=2, log=said.append).fit(DiLoCo(sync_every=5), workers=2,
                                                                               steps=5, processes=2)
     assert sum("training in one process: the model is an object" in m for m in said) == 2  # asked for: each time
+
+
+def test_a_trainer_takes_any_config_key_and_names_a_wrong_one(tmp_path):
+    """Issue 21: the Trainer's settings are the config's keys (precision, seq_len, ... too), sim's
+    defaults for the rest; a wrong name or type is one line."""
+    x, y = blobs(200)
+    result = Trainer(MLP(), loss_fn, (x, y), lr=1e-2, warmup=2, eval_batches=2, precision="bf16",
+                     moments_precision="bf16", run_dir=tmp_path / "r", log=lambda m: None).fit(
+        DiLoCo(sync_every=2), workers=2, steps=4)
+    assert {v.dtype for _, v in tree_flatten(result.model.parameters())} == {mx.bfloat16}
+    for settings, message in [(dict(warmpu=5), "unknown Trainer setting 'warmpu'; did you mean 'warmup'?"),
+                              (dict(workers="4"), 'workers must be a whole number, not "4"'),
+                              (dict(strategy="ddp"), "'strategy' is not a Trainer setting; pass it as fit's strategy")]:
+        with pytest.raises(ConfigError) as e:
+            Trainer(MLP(), loss_fn, (x, y), **settings)
+        assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_fit_passes_callbacks_to_the_run(tmp_path):
+    from mlx_diloco.training.callbacks import TrainingCallback
+
+    class Heard(TrainingCallback):
+        def __init__(self):
+            self.train, self.val = [], []
+
+        def on_train_loss_report(self, info):
+            self.train.append(info["step"])
+
+        def on_val_loss_report(self, info):
+            self.val.append(info["step"])
+
+    x, y = blobs(200)
+    heard = Heard()
+    result = Trainer(MLP(), loss_fn, (x, y), warmup=2, eval_batches=2, run_dir=tmp_path / "r", log=lambda m: None).fit(
+        DiLoCo(sync_every=2), workers=2, steps=4, callbacks=[heard])
+    assert heard.train == [1, 2, 3, 4] and heard.val == [r["step"] for r in result.metrics] == [0, 2, 4]

@@ -168,12 +168,12 @@ def test_a_run_sends_the_reference_bytes_and_resumes_exactly(tmp_path):
     straight = Run(config, tmp_path / "straight", SimCommunicator(3), log=lambda m: None)
     straight.train()
     shapes = [v.shape[1:] for _, v in tree_flatten(straight.workers.params)]
-    assert straight.bytes_sent == 12 * (3 - 1) * (sum(reference_bytes(s) for s in shapes) + CHECK_BYTES)
+    assert straight.ledger.bytes_sent == 12 * (3 - 1) * (sum(reference_bytes(s) for s in shapes) + CHECK_BYTES)
 
     first = Run(config, tmp_path / "split", SimCommunicator(3), log=lambda m: None)
     first.train(stop_after=6)
     resumed = Run(config, tmp_path / "split", SimCommunicator(3), resume=True, log=lambda m: None)
-    assert resumed.step == 4
+    assert resumed.steps_done == 4
     resumed.train()
     for (k, a), (_, b) in zip(tree_flatten(straight.workers.params), tree_flatten(resumed.workers.params)):
         np.testing.assert_array_equal(np.array(a), np.array(b), err_msg=k)

@@ -19,6 +19,7 @@ from mlx_diloco import run_folder
 from mlx_diloco.exchange.comm import SimCommunicator
 from mlx_diloco.config import ConfigError, TrainConfig
 from mlx_diloco.data.datasets import load_text
+from mlx_diloco.training.resolve import resolve
 from mlx_diloco.training.run import Run
 
 QUIET = dict(log=lambda m: None)
@@ -66,7 +67,7 @@ def test_config_values_are_checked(tmp_path, params, message):
     path = tmp_path / "c.json"
     path.write_text(json.dumps(params))
     with pytest.raises(ConfigError) as e:
-        TrainConfig.from_file(path)
+        resolve(TrainConfig.from_file(path))  # the strategy's options are checked where it is built
     assert message in str(e.value)
 
 
@@ -155,10 +156,10 @@ def test_resume_falls_back_to_an_intact_checkpoint(tmp_path):
     ckpt.write_bytes(ckpt.read_bytes()[:100])
     said = []
     run = Run(config, tmp_path / "r", SimCommunicator(2), resume=True, log=said.append)
-    assert run.step == 8 and any("checkpoint 12 is unreadable" in m and "using checkpoint 8" in m for m in said)
+    assert run.steps_done == 8 and any("checkpoint 12 is unreadable" in m and "using checkpoint 8" in m for m in said)
 
     (tmp_path / "r" / "latest.json").write_text('{"st')  # torn pointer: the newest intact checkpoint counts
-    assert Run(config, tmp_path / "r", SimCommunicator(2), resume=True, **QUIET).step == 8
+    assert Run(config, tmp_path / "r", SimCommunicator(2), resume=True, **QUIET).steps_done == 8
 
 
 # 7. defaults that work, and one clear line for each mistake
@@ -251,7 +252,7 @@ def test_worker_failure_names_the_last_line_not_a_list(tmp_path):
 ])
 def test_type_error_hints_show_a_valid_value(params, hint):
     with pytest.raises(ConfigError) as e:
-        TrainConfig.from_dict(params)
+        resolve(TrainConfig.from_dict(params))
     assert hint in str(e.value)  # before: "workers": 0, "lr": 0.0, "sync_every": 0
 
 

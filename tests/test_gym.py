@@ -13,6 +13,7 @@ from mlx_diloco.exchange.comm import SimCommunicator
 from mlx_diloco.gym import scorecard
 from mlx_diloco.gym.problems import PROBLEMS
 from mlx_diloco.training.metrics import MetricsLog
+from mlx_diloco.training.resolve import resolve
 from mlx_diloco.training.run import Run
 from mlx_diloco.speeds import Speeds
 
@@ -23,7 +24,7 @@ TINY_FLAGS = ["--model", "tiny", "--seq-len", "16", "--batch-size", "4", "--eval
 def test_every_problem_is_a_valid_config():
     for p in PROBLEMS.values():
         for size in ("cpu", "large"):
-            TrainConfig.from_dict(p.settings(size))
+            resolve(TrainConfig.from_dict(p.settings(size)))
     out = run_cli("gym", "list")
     assert out.returncode == 0 and all(name in out.stdout for name in PROBLEMS)
 
@@ -142,8 +143,8 @@ def test_time_policy_needs_a_strategy_that_syncs_periodically(tmp_path):
     for options, message in [(dict(strategy="ddp"), "needs a strategy that exchanges only at its syncs"),
                              (dict(sync_every=2, worker_speeds="1,0.25"), "takes no step in a round")]:
         with pytest.raises(ConfigError, match=message):  # found in the config, before a run starts
-            TrainConfig.from_dict({**TINY, "workers": 2, "steps": 4, "worker_speeds": "1,0.5",
-                                   "speed_policy": "time", **options})
+            resolve(TrainConfig.from_dict({**TINY, "workers": 2, "steps": 4, "worker_speeds": "1,0.5",
+                                           "speed_policy": "time", **options}))
         config = TrainConfig.from_dict({**TINY, "workers": 2, "steps": 4, "worker_speeds": "1,0.5", **options})
         config.speed_policy = "time"  # set past the config's checks: the run checks again
         with pytest.raises(ConfigError, match=message):

@@ -1,10 +1,29 @@
-"""The package's import graph has no cycle (imports inside functions count too): a module may lean
-only on modules that do not lean back on it."""
+"""The package's import graph (imports inside functions count too): no cycle, and no module
+importing a layer above its own; the control plane's modules import without MLX."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# The package's layers, bottom first: a module may import its own layer and those below. Names
+# are module prefixes (a package stands for its modules).
+LAYERS = [
+    ("leaves", ["options", "atomic", "blas"]),  # errors and typed values, atomic files, the BLAS fix
+    ("parts", ["config", "speeds", "run_folder", "worker_job", "memory", "exchange", "models", "data"]),
+    ("strategies", ["strategies"]),
+    ("training", ["training"]),
+    ("tools", ["export", "generate", "plot", "plan", "doctor", "gym", "cluster"]),  # what the commands run
+    ("entry points", ["api", "cli", "__main__"]),
+]
+# The package's __init__ holds the version (which anything may read) and hands out the API on first use.
+FACADE = "mlx_diloco"
+# Imported without MLX: what the agent, discover and the launcher's planning run on (a Mac's agent stays small).
+MLX_FREE = ["options", "atomic", "blas", "config", "speeds", "run_folder", "worker_job", "memory",
+            "exchange.network", "exchange.ledger", "cluster.agent", "cluster.discovery", "cluster.protocol",
+            "cluster.hostinfo", "cluster.launcher", "cluster.ringplan"]
 
 
 def import_graph() -> dict:
@@ -59,6 +78,45 @@ def cycles(graph: dict) -> list:
         if v not in index:
             visit(v)
     return found
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of `module` ('mlx_diloco.training.run' -> 3), or a failed assertion
+    naming a module that no layer lists."""
+    name = module.removeprefix(FACADE + ".")
+    for i, (_, prefixes) in enumerate(LAYERS):
+        if any(name == p or name.startswith(p + ".") for p in prefixes):
+            return i
+    raise AssertionError(f"{module} is in no layer of LAYERS: add it to one")
+
+
+def upward_imports(graph: dict) -> list:
+    """'a (layer) imports b (layer above)' for every import of a layer above the importer's."""
+    found = []
+    for module, imported in sorted(graph.items()):
+        if module == FACADE:
+            continue
+        for other in sorted(imported - {FACADE}):
+            if layer_of(other) > layer_of(module):
+                found.append(f"{module} ({LAYERS[layer_of(module)][0]}) imports {other} "
+                             f"({LAYERS[layer_of(other)][0]})")
+    return found
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    assert upward_imports(import_graph()) == []
+
+
+def test_an_upward_import_would_be_found():
+    graph = {"mlx_diloco.config": {"mlx_diloco.strategies"}, "mlx_diloco.strategies": {"mlx_diloco.config"}}
+    assert upward_imports(graph) == ["mlx_diloco.config (parts) imports mlx_diloco.strategies (strategies)"]
+
+
+def test_the_control_plane_imports_without_mlx():
+    code = (f"import importlib, sys\nfor m in {MLX_FREE!r}:\n    importlib.import_module('mlx_diloco.' + m)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'mlx'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_the_package_has_no_import_cycle():

@@ -13,6 +13,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from conftest import run_cli, tiny_config
 from mlx_diloco.cluster.emulated import SECRET, EmulatedCluster, can_build
+from mlx_diloco.config import TrainConfig
 from mlx_diloco.exchange.comm import SimCommunicator
 from mlx_diloco.exchange.worker_axis import stack_copies
 from mlx_diloco.memory import GB, MemoryOptions, estimate, make_it_fit, model_shape
@@ -74,14 +75,14 @@ def test_peak_memory_is_measured_and_bf16_checkpointing_lowers_it(tmp_path):
 def test_estimates_shrink_with_each_option_and_name_what_fits():
     shape = model_shape({"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
                          "num_attention_heads": 32, "vocab_size": 32000}, 1_100_000_000)
-    o = MemoryOptions(batch_size=4, seq_len=512)
+    o = MemoryOptions.of(TrainConfig(batch_size=4, seq_len=512), DiLoCo())
     totals = [estimate(shape, o)["total"]]
     for change in (dict(precision="bf16"), dict(offload_outer=True, fragments=11), dict(grad_checkpoint=True),
                    dict(moments_precision="bf16")):
         o = MemoryOptions(**{**o.__dict__, **change})
         totals.append(estimate(shape, o)["total"])
     assert all(a > b for a, b in zip(totals, totals[1:])) and totals[-1] < 12 * GB, totals
-    assert make_it_fit(shape, MemoryOptions(batch_size=4, seq_len=512), 1 * GB) is None
+    assert make_it_fit(shape, MemoryOptions.of(TrainConfig(batch_size=4, seq_len=512), DiLoCo()), 1 * GB) is None
     out = run_cli("plan", "--model", "llama-1b", "--batch-size", "4", "--seq-len", "512", "--link", "1gbe")
     assert out.returncode == 0 and "memory of one DiLoCo worker" in out.stdout and "to fit a 16 GB Mac" in out.stdout
 

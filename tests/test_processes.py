@@ -9,7 +9,9 @@ from conftest import run_cli, tiny_config
 from mlx_diloco.exchange.comm import SimCommunicator
 from mlx_diloco.export import load_trained_model
 from mlx_diloco import run_folder
+from mlx_diloco.config import ConfigError
 from mlx_diloco.training.run import Run
+from mlx_diloco.worker_job import WorkerJob
 
 FLAGS = ["--model", "tiny", "--seq-len", "16", "--batch-size", "4", "--workers", "4", "--steps", "12",
          "--eval-batches", "2", "--warmup", "2", "--sample-tokens", "0", "--compress", "fp32"]  # as tiny_config
@@ -38,6 +40,19 @@ def test_workers_must_split_over_processes(tmp_path):
     assert out.returncode == 2 and "4 workers do not split over 3 processes" in out.stderr
 
 
+def sim_job(pid: str, run_dir):
+    """The job of process `pid` if it is rank 1 of a sim into `run_dir`, read from the job file on
+    its command line as the worker reads it; else None."""
+    try:
+        args = open(f"/proc/{pid}/cmdline", "rb").read().decode().split("\0")[:-1]
+        if args[-2:-1] != ["--job"] or b"MLX_RANK=1\0" not in open(f"/proc/{pid}/environ", "rb").read():
+            return None
+        job = WorkerJob.read(args[-1])
+    except (OSError, UnicodeDecodeError, ConfigError):  # gone, or not ours
+        return None
+    return job if job.run_dir == str(run_dir) else None
+
+
 def test_a_dead_process_ends_the_run_with_a_clear_line(tmp_path):
     import os
     import signal
@@ -51,13 +66,12 @@ def test_a_dead_process_ends_the_run_with_a_clear_line(tmp_path):
     while victim is None and time.time() < deadline:  # the process of rank 1, once it trains
         time.sleep(0.5)
         for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                cmd, env = open(f"/proc/{pid}/cmdline", "rb").read(), open(f"/proc/{pid}/environ", "rb").read()
-            except OSError:
-                continue
-            if b"--workers-per-process" in cmd and b"MLX_RANK=1\0" in env and str(tmp_path).encode() in cmd:
+            if job := sim_job(pid, tmp_path / "r"):
                 victim = int(pid)
+                break
     assert victim, "the second process never started"
+    # sim's job file, read by the worker's reader: the agent writes the same (test_worker_job.py)
+    assert job.simulated and job.workers_per_process == 2 and job.config["workers"] == 4
     while not (tmp_path / "r" / "latest.json").exists() and time.time() < deadline:
         time.sleep(0.2)  # a checkpoint to resume from
     os.kill(victim, signal.SIGKILL)

@@ -16,6 +16,7 @@ from mlx_diloco.export import load_trained_model
 from mlx_diloco.exchange.comm import SimCommunicator
 from mlx_diloco.training.processes import free_ports
 from mlx_diloco.training.run import Run
+from mlx_diloco.worker_job import WorkerJob
 
 
 def run_ranks(tmp_path, n, args, timeout=240):
@@ -72,9 +73,9 @@ def test_quantized_exchange_over_sockets_equals_the_simulator(tmp_path, M):
                                                ("muloco", {}), ("demo", dict(topk=8))], ids=lambda v: str(v))
 def test_ring_run_matches_sim(tmp_path, strategy, options):
     config = tiny_config(workers=2, steps=8, strategy=strategy, **options)
-    cfg = tmp_path / "job.json"
-    cfg.write_text(json.dumps(config.to_dict()))
-    run_ranks(tmp_path, 2, ["-m", "mlx_diloco", "worker", "--config", cfg, "--run-dir", tmp_path / "ring"])
+    job = tmp_path / "job.json"
+    WorkerJob(config.to_dict(), str(tmp_path / "ring")).write(job)
+    run_ranks(tmp_path, 2, ["-m", "mlx_diloco", "worker", "--job", job])
 
     sim = Run(config, tmp_path / "sim", SimCommunicator(2), log=lambda m: None)
     sim.train()
@@ -84,4 +85,4 @@ def test_ring_run_matches_sim(tmp_path, strategy, options):
         close.append(np.isclose(np.array(ring_global[k]), np.array(v), rtol=1e-3, atol=1e-5).ravel())
     assert np.concatenate(close).mean() > (0.99 if strategy == "demo" else 1 - 1e-9)
     rows = [json.loads(l) for l in (tmp_path / "ring" / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["step"] == 8 and rows[-1]["bytes_sent_per_worker"] == sim.bytes_sent
+    assert rows[-1]["step"] == 8 and rows[-1]["bytes_sent_per_worker"] == sim.ledger.bytes_sent

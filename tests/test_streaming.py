@@ -121,7 +121,7 @@ def test_streaming_schedule_overlap_and_final_sync(tmp_path):
     assert [(r["step"], r["what"]) for r in rows] == [
         (6, "fragment 0"), (10, "fragment 1"), (14, "fragment 0"), (18, "fragment 1"),
         (22, "fragment 0"), (22, "fragment 0"), (22, "fragment 1")]
-    assert summary["peak_exchange_bytes"] < run.bytes_sent / 6
+    assert summary["peak_exchange_bytes"] < run.ledger.bytes_sent / 6
     final = flat(run.global_params())
     for k, local in flat(run.workers.params).items():  # the run ends with every replica synced
         np.testing.assert_array_equal(local[0], final[k])
@@ -134,14 +134,14 @@ def test_merge_keeps_alpha_of_the_local_values(tmp_path):
     """When a result lands: local <- alpha local + (1 - alpha) global."""
     config = tiny_config(steps=20, sync_every=8, overlap_steps=3, merge_alpha=0.25, compress="fp32")
     run = Run(config, tmp_path / "r", SimCommunicator(2), **QUIET)
-    for step in range(1, 12):
-        run.workers.step(*run.next_batch(), run.strategy, step)
-        before = flat(run.workers.params)
-        run.workers.params = run.strategy.after_step(run.workers.params, step)
-        if step == 11:  # sent at 8, lands at 11
-            after, glob = flat(run.workers.params), flat(run.global_params())
-            for k in after:
-                np.testing.assert_allclose(after[k], 0.25 * before[k] + 0.75 * glob[k][None], rtol=1e-5, atol=1e-6)
+    for _ in range(10):
+        run.step()
+    tick = run.inner_step()
+    before = flat(run.workers.params)
+    run.end_step(tick)  # sent at 8, lands at 11
+    after, glob = flat(run.workers.params), flat(run.global_params())
+    for k in after:
+        np.testing.assert_allclose(after[k], 0.25 * before[k] + 0.75 * glob[k][None], rtol=1e-5, atol=1e-6)
 
 
 def test_one_fragment_no_overlap_no_merge_is_diloco(tmp_path):
@@ -167,7 +167,7 @@ def test_streaming_resume_is_exact(tmp_path):
     first = Run(config, tmp_path / "split", SimCommunicator(2), **QUIET)
     first.train(stop_after=15)
     resumed = Run(config, tmp_path / "split", SimCommunicator(2), resume=True, **QUIET)
-    assert resumed.step == 8 and resumed.strategy.model_fragments[1].pending is not None  # in flight: restarted
+    assert resumed.steps_done == 8 and resumed.strategy.model_fragments[1].pending is not None  # in flight: restarted
     resumed.train()
     a = flat({"g": straight.global_params(), "l": straight.workers.params, "s": straight.strategy.state()})
     b = flat({"g": resumed.global_params(), "l": resumed.workers.params, "s": resumed.strategy.state()})

@@ -16,8 +16,8 @@ def test_vmapped_workers_match_separate_models(tmp_path):
     config = tiny_config(workers=3, strategy="fedavg", sync_every=1000, steps=1000, grad_clip=0)
     run = Run(config, tmp_path / "r", SimCommunicator(3), log=lambda m: None)
     batches = [run.next_batch() for _ in range(4)]
-    for step, (x, y) in enumerate(batches, 1):
-        run.workers.step(x, y, run.strategy, step)
+    for batch in batches:
+        run.step(batch)
 
     # The same 3 replicas, each a plain model with its own AdamW, trained one by one.
     for w in range(3):
@@ -48,7 +48,7 @@ def test_workers_diverge_between_syncs(tmp_path):
     """Each worker reads its own shard, so local models differ until the outer step."""
     config = tiny_config(workers=2, sync_every=100)
     run = Run(config, tmp_path / "r", SimCommunicator(2), log=lambda m: None)
-    for step in range(1, 4):
-        run.workers.step(*run.next_batch(), run.strategy, step)
+    for _ in range(3):
+        run.step()
     w = run.workers.params["wte"]["weight"]
     assert float(mx.abs(w[0] - w[1]).max()) > 1e-4

@@ -15,6 +15,7 @@ from mlx_diloco.exchange.codecs import get_codec
 from mlx_diloco.exchange.comm import SimCommunicator
 from mlx_diloco.config import ConfigError
 from mlx_diloco.strategies import STRATEGIES, DiLoCo
+from mlx_diloco.training.resolve import resolve
 from mlx_diloco.training.run import Run
 
 QUIET = dict(log=lambda m: None)
@@ -65,16 +66,16 @@ def test_every_strategy_trains_and_counts_its_bytes(tmp_path, name):
     run.train()
     rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["eval_loss"] < rows[0]["eval_loss"] - 0.05, [r["eval_loss"] for r in rows]
-    assert run.bytes_sent == expected_bytes(name, run)
+    assert run.ledger.bytes_sent == expected_bytes(name, run)
 
 
 def test_ddp_equals_one_worker_with_an_n_times_batch(tmp_path):
     ddp = make_run(tmp_path, "ddp", strategy="ddp", workers=3, compress="fp32")
     one = make_run(tmp_path, "one", strategy="ddp", workers=1, compress="fp32")
-    for step in range(1, 5):
+    for _ in range(4):
         x, y = ddp.next_batch()
-        ddp.workers.step(x, y, ddp.strategy, step)
-        one.workers.step(x.reshape(1, -1, x.shape[-1]), y.reshape(1, -1, y.shape[-1]), one.strategy, step)
+        ddp.step((x, y))
+        one.step((x.reshape(1, -1, x.shape[-1]), y.reshape(1, -1, y.shape[-1])))  # the 3 workers' batches as one
     a, b = flat(ddp.workers.params), flat(one.workers.params)
     for k in a:
         for w in range(3):
@@ -88,9 +89,8 @@ def with_sgd(run):
 
 
 def train_steps(run, steps):
-    for step in range(1, steps + 1):
-        run.workers.step(*run.next_batch(), run.strategy, step)
-        run.workers.params = run.strategy.after_step(run.workers.params, step)
+    for _ in range(steps):
+        run.step()
     return flat(run.strategy.global_params(run.workers.params))
 
 
@@ -128,16 +128,14 @@ def test_hybrid_reduces_to_each_parent(tmp_path, off):
 
 def test_ddp_warm_start_then_diloco(tmp_path):
     run = make_run(tmp_path, "r", steps=16, ddp_warmup_steps=6, compress="fp32")
-    for step in range(1, 7):
-        run.workers.step(*run.next_batch(), run.strategy, step)
-        run.workers.params = run.strategy.after_step(run.workers.params, step)
+    for _ in range(6):
+        run.step()
         for k, p in flat(run.workers.params).items():  # data parallel: replicas stay equal
             np.testing.assert_allclose(p[1], p[0], atol=1e-6, err_msg=k)
     np.testing.assert_allclose(flat(run.strategy.global_params(None))["wte.weight"],
                                flat(run.workers.params)["wte.weight"][0], atol=1e-6)
-    run.step = 6
     run.train()  # then outer steps at 6 + 4, 6 + 8, and the final one
-    assert run.bytes_sent == 6 * ring(2, run.n_params * 4) + 3 * ring(2, run.n_params * 4)
+    assert run.ledger.bytes_sent == 6 * ring(2, run.n_params * 4) + 3 * ring(2, run.n_params * 4)
 
 
 def test_muloco_orthogonalizes_each_replica_on_its_own():
@@ -158,5 +156,5 @@ def test_options_are_typed_and_misspellings_named():
     with pytest.raises(ConfigError, match="outer-momentum must be in"):
         DiLoCo(outer_momentum=1.5)
     with pytest.raises(ConfigError, match="'fraction' is an option of sparta"):
-        tiny_config(strategy="diloco", fraction=0.1)
+        resolve(tiny_config(strategy="diloco", fraction=0.1))
     get_codec("int4")

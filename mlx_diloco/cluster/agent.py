@@ -5,8 +5,9 @@ It advertises itself over mDNS (`_mlx-diloco._tcp.local.`), answers the control 
 blobs sent by launchers (data shards, by content hash) and each job's worker folder (checkpoints,
 logs) under its state folder, so a restarted job resumes from what is on disk.
 
-The only program an agent ever starts is `python -m mlx_diloco worker`, with a job description it
-has validated itself (TrainConfig, ring addresses, names that cannot leave the state folder).
+The only program an agent ever starts is `python -m mlx_diloco worker --job FILE`, with a job file
+(worker_job.py) it has validated itself (TrainConfig, ring addresses, names that cannot leave the
+state folder).
 """
 
 import collections
@@ -26,8 +27,10 @@ import uuid
 from dataclasses import replace
 from pathlib import Path
 
+from .. import run_folder
 from ..config import ConfigError, TrainConfig
 from ..exchange.watchdog import WATCHDOG_EXIT_MARK
+from ..worker_job import WorkerJob
 from . import hostinfo, protocol
 
 SERVICE_TYPE = "_mlx-diloco._tcp.local."
@@ -162,7 +165,7 @@ class Agent:
     def on_start(self, msg):
         folder = self._job_dir(msg["job"])
         try:
-            config = TrainConfig.from_dict(msg["config"], check_strategy=False)  # the worker checks it
+            config = TrainConfig.from_dict(msg["config"])  # its strategy options: the worker checks them
         except (ConfigError, TypeError) as e:
             raise Refused(f"invalid job config: {e}")
         hostfile = msg["hostfile"]
@@ -179,33 +182,31 @@ class Agent:
             run_dir = folder / f"worker-{msg['worker_id']}"
             if msg["resume_step"] is None and run_dir.exists():  # a fresh start: old checkpoints must not count
                 shutil.rmtree(run_dir)
-            args = ["--config", str(folder / "config.json"), "--run-dir", str(run_dir), "--own-run-dir",
-                    "--data-worker", str(msg["worker_id"]), "--collective-timeout", str(msg["collective_timeout"]),
-                    "--progress", str(folder / "progress.json")]
-            args += self._materialize_data(folder, msg["worker_id"], msg["data"])
-            if msg["resume_step"] is not None:
-                args += ["--resume-step", str(msg["resume_step"])]
+            job, data = folder / "job.json", self._materialize_data(folder, msg["worker_id"], msg["data"])
             if self.max_memory and not 0 < config.memory_limit * 1e9 <= self.max_memory:
                 # The memory this machine offers is a limit its worker keeps to, not only a number
                 # the launcher checks: MLX waits for queued work before allocating past it.
                 config = replace(config, memory_limit=round(self.max_memory / 1e9, 3))
-            (folder / "config.json").write_text(json.dumps(config.to_dict()))
+            WorkerJob(config.to_dict(), str(run_dir), own_run_dir=True, data_worker=msg["worker_id"],
+                      collective_timeout=msg["collective_timeout"], progress=str(folder / "progress.json"),
+                      resume_step=msg["resume_step"], **data).write(job)
             (folder / "hostfile.json").write_text(json.dumps(hostfile))
             (folder / "progress.json").unlink(missing_ok=True)
             env = {**os.environ, "MLX_RANK": str(msg["rank"]), "MLX_HOSTFILE": str(folder / "hostfile.json")}
             with open(folder / "worker.log", "ab") as out:
                 log_start = out.seek(0, os.SEEK_END)
-                popen = subprocess.Popen([sys.executable, "-m", "mlx_diloco", "worker", *args], cwd=folder,
+                popen = subprocess.Popen([sys.executable, "-m", "mlx_diloco", "worker", "--job", str(job)], cwd=folder,
                                          stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             self.jobs[msg["job"]] = WorkerProcess(popen, folder, run_dir, msg["rank"], log_start)
             log.info("job %s: started worker %d as rank %d (pid %d)", msg["job"], msg["worker_id"], msg["rank"], popen.pid)
         return {"pid": popen.pid}
 
-    def _materialize_data(self, folder: Path, worker_id: int, data: dict) -> list:
-        """Link the shipped blobs into the worker's data folder; [] when the config's path is used."""
+    def _materialize_data(self, folder: Path, worker_id: int, data: dict) -> dict:
+        """Link the shipped blobs into the worker's data folder: its WorkerJob's data_dir and
+        num_shards ({} when the config's path is used)."""
         files = data.get("files")
         if not files:
-            return []
+            return {}
         _need(isinstance(files, dict) and isinstance(data.get("num_shards"), int), "data needs 'files' and 'num_shards'")
         target = folder / f"data-{worker_id}"
         for name, digest in files.items():
@@ -216,7 +217,7 @@ class Agent:
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.unlink(missing_ok=True)
             os.link(blob, dest)
-        return ["--data-dir", str(target), "--num-shards", str(data["num_shards"])]
+        return {"data_dir": str(target), "num_shards": data["num_shards"]}
 
     def on_status(self, msg):
         self._job_dir(msg["job"])
@@ -231,11 +232,8 @@ class Agent:
 
     def on_checkpoints(self, msg):
         """Steps of the complete checkpoints of this machine's workers in the job: {worker_id: [steps]}."""
-        steps = {}
-        for wdir in self._job_dir(msg["job"]).glob("worker-*"):
-            steps[wdir.name.split("-", 1)[1]] = sorted(int(p.stem.split("-")[1]) for p in wdir.glob("ckpt-*.json")
-                                                       if p.with_suffix(".safetensors").exists())
-        return {"steps": steps}
+        return {"steps": {wdir.name.split("-", 1)[1]: run_folder.steps(wdir)
+                          for wdir in self._job_dir(msg["job"]).glob("worker-*")}}
 
     def on_stop(self, msg):
         self._job_dir(msg["job"])

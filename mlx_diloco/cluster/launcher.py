@@ -98,12 +98,11 @@ def cut_shards(config: TrainConfig, num_shards: int, folder: Path, log=print) ->
     return files
 
 
-def check_memory(config: TrainConfig, agents: list):
+def check_memory(config: TrainConfig, strategy, agents: list):
     """Refuse, before anything starts, a job whose worker will not fit on one of the machines:
     name the machine, the estimate, and the smallest change that makes it fit."""
-    from ..memory import estimate, flags, make_it_fit
-    from ..plan import worker_estimate
-    o, shape, need = worker_estimate(config)
+    from ..memory import estimate, flags, make_it_fit, worker_estimate
+    o, shape, need = worker_estimate(config, strategy)
     for a in agents:
         offered = a.get("training_memory") or 0.9 * a.get("memory", 0)
         if need["total"] <= offered:
@@ -129,7 +128,8 @@ class Launcher:
     @classmethod
     def new(cls, config: TrainConfig, found: list, run_dir: Path, secret: bytes, options: Options, log=print):
         from ..training.resolve import resolve
-        run_dir, config = Path(run_dir), resolve(config).config
+        run_dir, resolved = Path(run_dir), resolve(config)
+        config = resolved.config
         if (run_dir / "launch.json").exists():
             raise ConfigError(f"{run_dir} already holds a job; pass --resume to continue it, or another --run-dir")
         reachable, agents = [], []
@@ -144,7 +144,7 @@ class Launcher:
         if len(reachable) < config.workers:
             raise ConfigError(f"{config.workers} workers wanted but {len(reachable)} agents answered; start more "
                               "agents (mlx-diloco agent), pass --hosts, or lower --workers")
-        check_memory(config, agents)
+        check_memory(config, resolved.strategy, agents)
         members = [Member(f.address, f.port, worker_id=w, host=a["host"])
                    for w, (f, a) in enumerate(zip(reachable, agents))]  # start() orders the ring
         job = f"{run_dir.name[:40]}-{secrets.token_hex(3)}".replace(" ", "_")

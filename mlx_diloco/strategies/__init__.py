@@ -1,9 +1,14 @@
 """The strategy zoo: each strategy one file, all written once against the communication
 interface (exchange/comm.py), so each runs in the simulator and on a real cluster. `base.py` says what a
-strategy implements; docs/strategies.md's "Writing a strategy" shows a new one in a page."""
+strategy implements; docs/strategies.md's "Writing a strategy" shows a new one in a page. A new
+strategy is its file and its line in STRATEGIES."""
 
-from ..options import ConfigError
+from dataclasses import fields
+
+from ..config import TrainConfig
+from ..options import ConfigError, did_you_mean
 from .base import Strategy, option
+from .composite import Composite
 from .ddp import DDP
 from .demo import DeMo
 from .diloco import DiLoCo, FedAvg
@@ -21,8 +26,23 @@ def strategy_class(name: str):
 
 
 def make_strategy(name: str, options: dict) -> Strategy:
-    return strategy_class(name)(**options)
+    """Strategy `name` with `options` (the keys of a flat config that are not the config's own):
+    an option of another strategy, or a key of neither, is one line naming it."""
+    cls = strategy_class(name)
+    theirs = option_names(cls)
+    for key in options:
+        if key not in theirs:
+            others = [n for n, c in STRATEGIES.items() if key in option_names(c)]
+            if others:
+                raise ConfigError(f"'{key}' is an option of {', '.join(others)}, not of strategy {name}")
+            own = {f.name for f in fields(TrainConfig)}
+            raise ConfigError(f"unknown config key '{key}'; {did_you_mean(key, sorted(own | theirs))}")
+    return cls(**options)
 
 
-__all__ = ["STRATEGIES", "Strategy", "option", "make_strategy", "strategy_class",
+def option_names(cls) -> set:
+    return {f.name for f in fields(cls)}
+
+
+__all__ = ["STRATEGIES", "Strategy", "Composite", "option", "make_strategy", "strategy_class",
            "DDP", "FedAvg", "DiLoCo", "SPARTA", "DeMo", "MuLoCo", "SPARTADiLoCo"]

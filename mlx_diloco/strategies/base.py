@@ -13,23 +13,22 @@ hooks around every inner step:
     global_params(params)          the model to evaluate and export (no worker axis)
     state() / load_state(state)    what a checkpoint holds beside the workers' parameters
 
+and answers what the rest of the package asks of it, so that nothing outside strategies/ tests
+its name: `label()` (plots, scorecards), `global_from_state(template, arrays)` (export),
+`steps_can_differ` (speed-policy time), `outer_copies` (memory estimates).
+
 Parameters and gradients carry a leading local-worker axis (see exchange/comm.py). `step` is the job-wide
 inner step counter, which every worker agrees on, so a sync schedule can never drift.
 """
 
-from dataclasses import asdict, field, fields
+from dataclasses import asdict, fields
 
 import mlx.core as mx
 import mlx.optimizers as optim
 
 from ..exchange.worker_axis import replica
 from ..models.precision import round_bf16_stochastically
-from ..options import ConfigError, checked_value, did_you_mean
-
-
-def option(default, help: str, **kwargs):
-    """A strategy option: its default and the one line that `--help` shows."""
-    return field(default=default, metadata={"help": help}, **kwargs)
+from ..options import ConfigError, checked_value, did_you_mean, option  # noqa: F401 (option: strategies import it from here)
 
 
 def lr_schedule(config, peak: float = None):
@@ -76,6 +75,10 @@ class Strategy:
     # factor per local worker on what it sends (speeds.py).
     steps_can_differ = False
     sync_weights = None
+    # Model-sized fp32 arrays held in memory between syncs (DiLoCo: the global model and its outer
+    # optimizer's state): what memory.py counts for the strategy beside the replicas.
+    outer_copies = 0
+    keeps_global_model = False  # its global model is not a worker's (DiLoCo's outer step keeps one)
 
     def __new__(cls, *args, **options):
         names = [f.name for f in fields(cls)] if hasattr(cls, "__dataclass_fields__") else []
@@ -100,6 +103,21 @@ class Strategy:
     def sync_every(self) -> int:
         """Inner steps between the strategy's periodic syncs (0: it has none)."""
         return 0
+
+    def label(self) -> str:
+        """A short name for plots and scorecards: the strategy and the options that set a run apart."""
+        o, parts = self.options(), [self.name]
+        if o.get("sync_every"):
+            parts.append(f"H={o['sync_every']}")
+        if o.get("fragments", 1) > 1:
+            parts.append(f"P={o['fragments']}")
+        if o.get("overlap_steps"):
+            parts.append(f"tau={o['overlap_steps']}")
+        if o.get("outer_optimizer", "nesterov") != "nesterov":
+            parts.append(f"outer {o['outer_optimizer']}")
+        if o.get("compress") not in (None, "fp16"):
+            parts.append(o["compress"] + ("+ef" if o.get("error_feedback") else ""))
+        return " ".join(parts)
 
     def require(self, ok: bool, message: str):
         if not ok:
@@ -128,6 +146,12 @@ class Strategy:
 
     def global_params(self, params):
         return replica(params)
+
+    def global_from_state(self, template, arrays: dict):
+        """The global model a checkpoint's `arrays` ({"workers": {"params": ...}, "strategy":
+        state()}) hold, without building a run: here worker 0's parameters (the replicas are equal,
+        or end so); `template`, a model's parameters, gives the shapes and dtypes where needed."""
+        return replica(arrays["workers"]["params"])
 
     def state(self) -> dict:
         return {}

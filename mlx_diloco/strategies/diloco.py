@@ -1,16 +1,19 @@
 """DiLoCo (arXiv 2311.08105), its streaming form (arXiv 2501.18512), and FedAvg.
 
-Every H steps each fragment of the model takes an outer Nesterov step on the workers' mean
-pseudo-gradient  delta = global - local. With one fragment, no overlap and no merge this is
-DiLoCo; with P fragments their syncs are spread evenly over H (fragment p at offset H(p+1)/P
-mod H), each exchange is applied tau inner steps after it starts, and the result is merged into
-the local models with weight alpha on the local values (fragments.py holds the mechanics).
+Every H steps each fragment of the model takes an outer step on the workers' mean
+pseudo-gradient  delta = global - local, with the optimizer its `outer_optimizer` names
+(OUTER_OPTIMIZERS: Nesterov momentum as the paper, heavy-ball SGD, Adam). With one fragment, no
+overlap and no merge this is DiLoCo; with P fragments their syncs are spread evenly over H
+(fragment p at offset H(p+1)/P mod H), each exchange is applied tau inner steps after it starts,
+and the result is merged into the local models with weight alpha on the local values
+(fragments.py holds the mechanics).
 `ddp_warmup_steps` K trains data-parallel first, as the DiLoCo paper's main runs start from a
 pre-trained model; the outer schedule then counts from K.
 """
 
 from dataclasses import dataclass
 
+import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
@@ -21,13 +24,30 @@ from .base import Strategy, mean_gradients, option
 from .fragments import Fragment, gather, global_tree, offload_folder, partition
 
 
+OUTER_OPTIMIZERS = {  # the outer optimizer by name, from the strategy's options
+    # DiLoCo's: Nesterov momentum (plain SGD with momentum 0)
+    "nesterov": lambda s: optim.SGD(learning_rate=s.outer_lr, momentum=s.outer_momentum,
+                                    nesterov=s.outer_momentum > 0),
+    # heavy-ball momentum: v <- m v + delta, global <- global - lr v
+    "sgd": lambda s: optim.SGD(learning_rate=s.outer_lr, momentum=s.outer_momentum),
+    # Adam with beta1 = outer-momentum. beta2 0.99, not 0.999: runs take tens to hundreds of outer
+    # steps, and 0.999 would average the squares over a thousand. Bias correction: without it m
+    # warms up faster than sqrt(v), and outer steps 5 to 30 run 1.8-2.1x lr. eps 1e-8: far below
+    # a pseudo-gradient's values (those of fine-tuning included).
+    "adam": lambda s: optim.Adam(learning_rate=s.outer_lr, betas=[s.outer_momentum, 0.99], eps=1e-8,
+                                 bias_correction=True),
+}
+
+
 @dataclass
 class DiLoCo(Strategy):
     name = "diloco"
-    steps_can_differ = True
+    keeps_global_model = True
     sync_every: int = option(50, "H: inner steps between a fragment's outer steps")
-    outer_lr: float = option(0.7, "outer SGD learning rate")
-    outer_momentum: float = option(0.9, "outer Nesterov momentum (0: plain SGD)")
+    outer_optimizer: str = option("nesterov", f"the outer step: {', '.join(OUTER_OPTIMIZERS)} "
+                                              "(adam takes lr-sized steps: pass an outer-lr near 0.05)")
+    outer_lr: float = option(0.7, "outer learning rate")
+    outer_momentum: float = option(0.9, "outer momentum: Nesterov's, heavy-ball SGD's, Adam's beta1 (0: plain SGD)")
     compress: str = option("fp16", "codec of the pseudo-gradients (scales counted in the bytes)")
     error_feedback: bool = option(False, "add what compression lost to the next pseudo-gradient")
     fragments: int = option(1, "P: fragments of the model, each synced every H steps at its own offset")
@@ -40,6 +60,8 @@ class DiLoCo(Strategy):
 
     def check(self):
         get_codec(self.compress)
+        self.require(self.outer_optimizer in OUTER_OPTIMIZERS, f"outer-optimizer must be one of "
+                     f"{', '.join(OUTER_OPTIMIZERS)} (got '{self.outer_optimizer}')")
         self.require(self.sync_every >= 1, f"sync-every (H) must be >= 1 (got {self.sync_every})")
         self.require(self.outer_lr > 0, f"outer-lr must be > 0 (got {self.outer_lr})")
         self.require(0 <= self.outer_momentum < 1, f"outer-momentum must be in [0, 1) (got {self.outer_momentum})")
@@ -63,9 +85,23 @@ class DiLoCo(Strategy):
             return self.merge_alpha
         return 0.5 if self.overlap_steps > 0 else 0.0
 
-    def outer_optimizer(self):
-        return optim.SGD(learning_rate=self.outer_lr, momentum=self.outer_momentum,
-                         nesterov=self.outer_momentum > 0)
+    @property
+    def steps_can_differ(self) -> bool:
+        """Workers may step at their own pace between syncs, but not while data parallel."""
+        return self.ddp_warmup_steps == 0
+
+    @property
+    def outer_copies(self) -> int:
+        """The global values and the outer optimizer's per-value state (in files when offloaded)."""
+        if self.offload_outer:
+            return 0
+        probe = self.make_outer_optimizer()
+        probe.init({"p": mx.zeros(1)})
+        return 1 + len(probe.state["p"])
+
+    def make_outer_optimizer(self) -> optim.Optimizer:
+        """One fragment's outer optimizer (each fragment keeps its own state)."""
+        return OUTER_OPTIMIZERS[self.outer_optimizer](self)
 
     def setup(self, params):
         P, H = self.fragments, self.sync_every
@@ -75,7 +111,7 @@ class DiLoCo(Strategy):
         # Scratch files for the offloaded outer state, removed with the strategy.
         self.offload_dir = offload_folder() if self.offload_outer else None
         self.model_fragments = [  # one Fragment (its global values, outer state, exchange) per part of the model
-            Fragment(p, pieces, gather(flat, pieces)[0], self.outer_optimizer(), H, offset=H * (p + 1) // P % H,
+            Fragment(p, pieces, gather(flat, pieces)[0], self.make_outer_optimizer(), H, offset=H * (p + 1) // P % H,
                      delay=self.overlap_steps, alpha=self.alpha, codec=get_codec(self.compress),
                      error_feedback=self.error_feedback, n_local=self.comm.n_local,
                      offload_dir=self.offload_dir and self.offload_dir.name)
@@ -128,12 +164,10 @@ class DiLoCo(Strategy):
         for f in self.model_fragments:
             f.load_state(state["fragments"][f.index], self.comm)
 
-    @staticmethod
-    def global_from_state(template, state: dict, fragment_order: str = "strided"):
-        """The global model a checkpoint's DiLoCo state holds, in the dtypes of `template` (a
-        model's parameters): what export and the tests read back without building a run."""
-        fragments = state["fragments"]
-        pieces = partition(template, len(fragments), fragment_order)
+    def global_from_state(self, template, arrays: dict):
+        """The fragments' global values in their places, in the dtypes of `template`."""
+        fragments = arrays["strategy"]["fragments"]
+        pieces = partition(template, len(fragments), self.fragment_order)
         return global_tree(template, [(p, f["global"]) for p, f in zip(pieces, fragments)])
 
 
@@ -146,5 +180,5 @@ class FedAvg(DiLoCo):
 
     def check(self):
         super().check()
-        self.require(self.outer_lr == 1 and self.outer_momentum == 0,
+        self.require(self.outer_lr == 1 and self.outer_momentum == 0 and self.outer_optimizer != "adam",
                      "FedAvg is DiLoCo with outer lr 1 and no momentum; for other values use diloco")

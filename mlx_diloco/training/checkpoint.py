@@ -1,11 +1,18 @@
 """Checkpoints, taken every H steps (DiLoCo) and at the end of a run, written atomically.
 
-A checkpoint is two files: `ckpt-STEP.safetensors` (every array: each worker's parameters and
-inner AdamW state; DiLoCo's global values and outer optimizer, per fragment; with Streaming DiLoCo
-also each fragment's error-feedback buffer and the pseudo-gradient of an exchange in flight, which
-a resumed run sends again) and `ckpt-STEP.json` (the config, step, data cursors, RNG state).
+A checkpoint is two files (run_folder.py names them, and reads what is MLX-free):
+- `ckpt-STEP.safetensors`, every array, flattened from the tree
+  {"workers": {"params", "inner"}, "strategy": strategy.state()}: each local worker's parameters and
+  inner optimizer state, and what the strategy saves of its own (DiLoCo: each fragment's global
+  values and outer optimizer; Streaming DiLoCo also its error-feedback buffer and the
+  pseudo-gradient of an exchange in flight, which a resumed run sends again);
+- `ckpt-STEP.json`, its meta: the keys of run_folder.META (layout, step, config, data cursors,
+  compute time, worker speeds, the exchange ledger, the model's preset, the vocabulary size).
+  No random state is saved: the data order follows from the seed and the cursors, SPARTA's indices
+  and the codecs' rounding from seeds, the step and the values. Only bf16's stochastic rounding of
+  updates draws from MLX's random state, which a resumed run starts again from the seed.
 `latest.json` names the newest complete checkpoint and is replaced last, so a crash while writing
-leaves the previous checkpoint in force.
+leaves the previous checkpoint in force. A checkpoint of another layout is one ConfigError line.
 """
 
 import json
@@ -15,11 +22,11 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from ..atomic import atomic_write_text
 from ..config import ConfigError
-from ..run_folder import _step_of, candidates
+from ..run_folder import LAYOUT, _step_of, candidates, meta_flaw, read_meta
 
 KEEP = 2  # checkpoints kept on disk
 
@@ -47,43 +54,53 @@ def write_safetensors(path: Path, flat: dict, metadata: dict):
             f.write(np.ascontiguousarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a).data)
 
 
-def save(run_dir: Path, step: int, flat: dict, meta: dict):
-    """`flat`: path -> mx.array, emptied as it is written (see write_safetensors); `meta`: JSON-able state."""
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / f".ckpt-{step}.tmp.safetensors"
-    write_safetensors(tmp, flat, {"format": "mlx-diloco", "step": str(step)})
+def save(folder: Path, step: int, arrays: dict, meta: dict):
+    """Checkpoint `step` in `folder`: `arrays`, the nested tree of mx.arrays (see above), is emptied
+    as it is written (pass it inline: see write_safetensors); `meta` holds run_folder.META's keys
+    but layout and step, which are added here."""
+    meta = {**meta, "layout": LAYOUT, "step": step}
+    if why := meta_flaw(meta):
+        raise ValueError(f"checkpoint meta does not match the schema: {why}")
+    flat = dict(tree_flatten(arrays))
+    arrays.clear()  # the flat dict holds the only references: each array is dropped once written
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".ckpt-{step}.tmp.safetensors"
+    write_safetensors(tmp, flat, {"format": "mlx-diloco", "step": str(step), "layout": str(LAYOUT)})
     with open(tmp, "rb") as f:  # fsync through a fresh handle, then rename into place
         os.fsync(f.fileno())
-    tmp.replace(run_dir / f"ckpt-{step}.safetensors")
-    atomic_write_text(run_dir / f"ckpt-{step}.json", json.dumps({**meta, "step": step}, indent=1))
-    atomic_write_text(run_dir / "latest.json", json.dumps({"step": step}))
-    for old in sorted(run_dir.glob("ckpt-*.json"), key=_step_of)[:-KEEP]:
+    tmp.replace(folder / f"ckpt-{step}.safetensors")
+    atomic_write_text(folder / f"ckpt-{step}.json", json.dumps(meta, indent=1))
+    atomic_write_text(folder / "latest.json", json.dumps({"step": step}))
+    for old in sorted(folder.glob("ckpt-*.json"), key=_step_of)[:-KEEP]:
         old.unlink(missing_ok=True)
         old.with_suffix(".safetensors").unlink(missing_ok=True)
 
 
-def _read(run_dir: Path, step: int):
-    meta = json.loads((run_dir / f"ckpt-{step}.json").read_text())
-    flat = mx.load(str(run_dir / f"ckpt-{step}.safetensors"))
+def _read(folder: Path, step: int):
+    meta = read_meta(folder, step)
+    flat = mx.load(str(folder / f"ckpt-{step}.safetensors"))
     return tree_unflatten(list(flat.items())), meta
 
 
-def load(run_dir: Path, step: int = None, log=print):
+def load(folder: Path, step: int = None, log=print):
     """(arrays tree, meta) of the given checkpoint, or else of the newest intact one: a checkpoint
-    that cannot be read (a torn file after a crash, a full disk) is skipped, and `log` says so."""
-    run_dir = Path(run_dir)
-    tried = [step] if step is not None else candidates(run_dir)
+    that cannot be read (a torn file after a crash, a full disk) is skipped, and `log` says so.
+    A checkpoint of another layout is one ConfigError line (run_folder.check_layout)."""
+    folder = Path(folder)
+    tried = [step] if step is not None else candidates(folder)
     if not tried:
-        raise ConfigError(f"no checkpoint in {run_dir}; pass the folder of a run that saved one")
+        raise ConfigError(f"no checkpoint in {folder}; pass the folder of a run that saved one")
     errors = []
     for s in tried:
         try:
-            out = _read(run_dir, s)
+            out = _read(folder, s)
+        except ConfigError:  # another layout: every checkpoint of the run has it
+            raise
         except Exception as e:  # torn file, bad JSON, bad header...
             errors.append(f"checkpoint {s} is unreadable ({type(e).__name__}: {e})")
             continue
         for e in errors:
             log(f"{e}; using checkpoint {s}")
         return out
-    raise ConfigError(f"no intact checkpoint in {run_dir}: {'; '.join(errors)}; start a new run")
+    raise ConfigError(f"no intact checkpoint in {folder}: {'; '.join(errors)}; start a new run")

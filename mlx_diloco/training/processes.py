@@ -2,7 +2,7 @@
 
 K local processes each train N/K vmapped workers (MLX runs a CPU stream's elementwise work on one
 thread, so one process leaves cores idle), joined by MLX's ring over 127.0.0.1: the same worker
-program and ring transport as a real cluster, with K processes of N/K workers instead of N
+program, job file (worker_job.py) and ring transport as a real cluster, with K processes of N/K workers instead of N
 machines of one. Every strategy runs unchanged. Each process gets its share of BLAS threads.
 Process 0 reports (progress, metrics, checkpoints in the run folder); a process that fails ends
 the run with its last line; one that hangs is ended by its watchdog.
@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..config import ConfigError, TrainConfig
 from ..run_folder import candidates, check_new_run_dir, flaw, latest_step
+from ..worker_job import WorkerJob
 
 
 def usable_cores() -> int:
@@ -123,14 +124,11 @@ def run_processes(config: TrainConfig, run_dir: Path, processes: int, resume: bo
         f"data {config.data} -> {run_dir}")
     threads = str(max(1, usable_cores() // K))  # BLAS threads: K processes share the cores, no more
     with tempfile.TemporaryDirectory(prefix="mlx-diloco-sim-") as tmp:
-        job, hostfile = Path(tmp) / "config.json", Path(tmp) / "hosts.json"
-        job.write_text(json.dumps(config.to_dict()))
+        job, hostfile = Path(tmp) / "job.json", Path(tmp) / "hosts.json"
+        WorkerJob(config.to_dict(), str(run_dir), workers_per_process=config.workers // K,
+                  collective_timeout=collective_timeout, resume_step=step, simulated=True).write(job)
         hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(K)]))
-        args = [sys.executable, "-m", "mlx_diloco", "worker", "--config", str(job), "--run-dir", str(run_dir),
-                "--workers-per-process", str(config.workers // K), "--collective-timeout", str(collective_timeout),
-                "--simulated"]
-        if step is not None:
-            args += ["--resume-step", str(step)]
+        args = [sys.executable, "-m", "mlx_diloco", "worker", "--job", str(job)]
         logs = [Path(tmp) / f"process-{r}.log" for r in range(K)]
         errors = [Path(tmp) / f"process-{r}.error" for r in range(K)]  # bad input: one line, said here once
         # The processes import what this one can (a model builder or loss function named by module).

@@ -1,5 +1,6 @@
 """What a config names, built and checked together in one place: the run's config as it will be
-recorded, its strategy and its model spec (`resolve`), and the model, data and strategy a run
+recorded, its strategy and its model spec (`resolve`: the one place a process builds the run's
+strategy from its config, and where its options are checked), and the model, data and strategy a run
 trains (`Parts`), from a config or from the caller (the Python API)."""
 
 from dataclasses import dataclass, replace
@@ -9,6 +10,7 @@ from ..run_folder import latest_step
 from ..config import DEFAULT_MAX_SEQ_LEN, ConfigError, TrainConfig
 from ..data.datasets import EMBEDDED, FASHION_MNIST, is_fashion_mnist_folder, load_shard, prepare
 from ..models.zoo import build_model, import_builder, load_spec
+from ..strategies import make_strategy
 from . import checkpoint
 
 
@@ -31,7 +33,11 @@ class Resolved:
 def resolve(config: TrainConfig) -> Resolved:
     """The config as the run will use and record it (local paths made absolute, so the run folder
     works from any directory; seq-len 0 replaced by the model's context), with its strategy and
-    model spec, each checked against the others."""
+    model spec, each checked against the others. The strategy first: a misspelled option is the
+    first thing said, before a model or data is looked for."""
+    strategy = make_strategy(config.strategy, config.strategy_options)  # its options: names, types, ranges
+    config.check_strategy(strategy)
+
     def absolute(path: str, names=()):
         return str(Path(path).resolve()) if path and path not in names and Path(path).exists() else path
     config = replace(config, model=absolute(config.model) if Path(config.model).is_dir() or
@@ -44,7 +50,6 @@ def resolve(config: TrainConfig) -> Resolved:
     if not arrays and spec.is_language_model == images:
         raise ConfigError(f"model '{config.model}' does not fit data '{config.data}': "
                           "the cnn preset trains on fashion-mnist, language models on text")
-    strategy = config.make_strategy()
     strategy.check_model(spec)
     if config.seq_len == 0 and spec.is_language_model and not arrays:
         config = replace(config, seq_len=min(spec.context_length, DEFAULT_MAX_SEQ_LEN))

@@ -1,0 +1,100 @@
+"""Who hears what a run reports (mlx-lm's TrainingCallback shape, plus exchanges): the metrics
+files, the progress bar, the agent's progress file, and any logger a user passes to
+`Run(callbacks=...)` or `Trainer.fit(callbacks=...)`. Each report is a dict of plain numbers.
+
+    class Printer(TrainingCallback):
+        def on_val_loss_report(self, info):
+            print(info["step"], info["eval_loss"])
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..atomic import atomic_write_text
+from .metrics import MetricsLog, human_bytes
+
+
+class TrainingCallback:
+    """Observes a run; every hook does nothing unless overridden."""
+
+    def on_train_begin(self, info: dict):
+        """Before `Run.train`'s first step: {"step": steps done so far, "steps": the run's}."""
+
+    def on_train_loss_report(self, info: dict):
+        """After every step at which this process's workers trained (a slower worker may wait out
+        a step: speeds.py): {"step", "steps", "loss": the mean of this step's local losses,
+        "tokens_per_s": this process's, "job_tokens_per_s": the whole job's, "sync_s": time spent
+        waiting for exchanges so far, "bytes_sent": by one worker so far}."""
+
+    def on_val_loss_report(self, info: dict):
+        """At every evaluation, on the reporting process: the metrics row (metrics.jsonl), with
+        "eval_loss" (the global model's), "eval_loss_workers", "train_loss", "tokens", ..."""
+
+    def on_sync_report(self, info: dict):
+        """For every exchange that finished: {"step", "what", "codec", "algorithm", "payload_bytes",
+        "sent_bytes", "overlap_steps", "modelled_s", "exposed_s", "blocked_s"} (exchanges.jsonl)."""
+
+    def on_train_end(self, summary: dict):
+        """After `Run.train`'s last step: the run's summary (summary.json)."""
+
+
+class MetricsFile(TrainingCallback):
+    """The run folder's metrics.jsonl (a row per evaluation), exchanges.jsonl (a row per exchange of
+    a periodic strategy: per-step ones would write a row a step) and summary.json. A resumed run
+    drops the rows written after its checkpoint: that work is being redone."""
+
+    def __init__(self, run_dir: Path, exchanges: bool, resumed_at: int = None):
+        self.run_dir = Path(run_dir)
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        self.exchanges = MetricsLog(self.run_dir / "exchanges.jsonl") if exchanges else None
+        if resumed_at is not None:
+            for log in filter(None, (self.metrics, self.exchanges)):
+                log.truncate_after(resumed_at)
+
+    def on_val_loss_report(self, info):
+        self.metrics.write(info)
+
+    def on_sync_report(self, info):
+        if self.exchanges:
+            self.exchanges.write(info)
+
+    def on_train_end(self, summary):
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+
+
+class ProgressBar(TrainingCallback):
+    """A tqdm bar on stderr: steps, the latest loss, the job's tokens per second, bytes sent."""
+
+    def __init__(self, description: str):
+        self.description, self.bar = description, None
+
+    def on_train_begin(self, info):
+        self.bar = tqdm(total=info["steps"], initial=info["step"], file=sys.stderr, desc=self.description,
+                        dynamic_ncols=True)
+
+    def on_train_loss_report(self, info):
+        if self.bar is None:  # steps taken one by one (Run.step), not by Run.train
+            return
+        self.bar.update(info["step"] - self.bar.n)
+        self.bar.set_postfix(loss=f"{info['loss']:.3f}", tok_s=f"{info['job_tokens_per_s']:,.0f}",
+                             sent=human_bytes(info["bytes_sent"]))
+
+    def on_train_end(self, summary):
+        self.bar.update(summary["steps"] - self.bar.n)  # with the steps a slower worker waited out
+        self.bar.close()
+
+
+class ProgressFile(TrainingCallback):
+    """A small JSON file rewritten at every step, which a cluster's agent reads to report on its worker."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_train_loss_report(self, info):
+        atomic_write_text(self.path, json.dumps({
+            "step": info["step"], "steps": info["steps"], "loss": info["loss"], "tokens_per_s": info["tokens_per_s"],
+            "sync_s": info["sync_s"], "bytes_sent": info["bytes_sent"], "time": time.time()}), durable=False)

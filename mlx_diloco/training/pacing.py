@@ -1,0 +1,69 @@
+"""Workers of different speeds in a run (speeds.py): which of this process's workers step at each
+tick, how long a tick counts, and, under speed-policy time on a real cluster (no speeds given),
+the speeds measured over the first round."""
+
+import mlx.core as mx
+
+from ..speeds import Speeds
+
+
+class Pacing:
+    def __init__(self, config, strategy, comm, log=print):
+        self.strategy, self.comm, self.log = strategy, comm, log
+        self.speeds = Speeds.of(config)  # None: every worker is as fast as the others
+        # Time-paced without given speeds (a real cluster): measured over the first round.
+        self.measuring = config.speed_policy == "time" and self.speeds is None and config.workers > 1
+        if self.speeds and self.speeds.policy == "time":
+            self._weigh_by_tokens()
+
+    def _weigh_by_tokens(self):
+        """Workers take the steps that fit a round: weigh each worker's pseudo-gradient by the
+        tokens it processed."""
+        weights = self.speeds.sync_weights(self.strategy.sync_every)  # every worker steps in a round
+        self.strategy.sync_weights = [weights[w] for w in self.comm.local_workers]
+
+    def active(self, tick: int):
+        """Which local workers step at this tick; None when all do."""
+        if not self.speeds or self.speeds.policy == "fixed":
+            return None
+        active = self.speeds.active(tick)
+        return [active[w] for w in self.comm.local_workers]
+
+    def tick_seconds(self, step_s: float) -> float:
+        """A tick's modelled duration, for a speed-1 step of `step_s` seconds."""
+        return self.speeds.tick_seconds(step_s) if self.speeds else step_s
+
+    def steps_taken(self, ticks: int, workers: int) -> list:
+        """Inner steps each of the job's workers has taken after `ticks` ticks."""
+        return self.speeds.steps_taken(ticks) if self.speeds else [ticks] * workers
+
+    def idle_fraction(self) -> float:
+        """The workers' mean share of the time spent waiting for slower ones (modelled)."""
+        return sum(f := self.speeds.idle_fraction()) / len(f) if self.speeds else 0.0
+
+    def after_tick(self, tick: int, compute_s: float):
+        """At the end of the first round, measure the speeds if they are to be measured."""
+        if self.measuring and tick == self.strategy.sync_every:
+            self._measure(compute_s / tick)
+
+    def _measure(self, step_s: float):
+        """Every worker's speed from its mean step time over the first round (all workers
+        stepped at every tick so far), the fastest 1; from now on each takes the steps that fit."""
+        times = self.comm.gather_metric(mx.full((self.comm.n_local,), step_s))
+        H = self.strategy.sync_every
+        # In steps of 0.05 (machines within a few percent count as equal), and at least one step a round.
+        speeds = tuple(max(round(20 * min(times) / t) / 20, 1 / H) for t in times)
+        self.speeds, self.measuring = Speeds(speeds, "time"), False
+        self._weigh_by_tokens()
+        self.log(f"measured worker speeds: {', '.join(f'{s:g}' for s in speeds)}; each takes the steps that fit a round")
+
+    def worker_speeds(self):
+        """The job's worker speeds, a list (None when all are alike): metrics rows and checkpoints
+        record them."""
+        return self.speeds and list(self.speeds.speeds)
+
+    def resume_with(self, speeds):
+        """A resumed run keeps the speeds it measured before its checkpoint."""
+        if self.measuring and speeds:
+            self.speeds, self.measuring = Speeds(tuple(speeds), "time"), False
+            self._weigh_by_tokens()

@@ -1,0 +1,50 @@
+"""A worker's job: what one `mlx-diloco worker` process trains, and where, as one JSON file.
+
+Two programs start workers: `sim --processes K` (training/processes.py, K processes on this
+machine) and a cluster's agent (cluster/agent.py, one worker per machine). Both write a WorkerJob,
+and the worker reads it (`mlx-diloco worker --job FILE`). Which rank a process is and where its
+peers listen are MLX's: MLX_RANK and MLX_HOSTFILE in its environment. MLX-free: the agent writes it.
+"""
+
+import json
+from dataclasses import MISSING, asdict, dataclass, fields
+from pathlib import Path
+
+from .options import ConfigError, from_dict, read_json
+
+FIX = ("pass the job file that sim or an agent wrote, or write one: a JSON object of WorkerJob's keys "
+       "(mlx_diloco/worker_job.py)")
+
+
+@dataclass(frozen=True)
+class WorkerJob:
+    config: dict                       # the run's config, flat (TrainConfig.to_dict())
+    run_dir: str                       # folder for metrics and checkpoints (written by rank 0)
+    own_run_dir: bool = False          # the run folder is this worker's alone: checkpoint into it whatever the rank
+    data_dir: str = None               # a shard folder shipped by the launcher (default: read the config's data)
+    data_worker: int = None            # which shard this worker trains (default: its rank)
+    num_shards: int = None             # how many shards the data was cut into (default: the workers)
+    resume_step: int = None            # resume from this step's checkpoint (default: a new run)
+    workers_per_process: int = 1       # simulated workers this process trains (sim --processes; 1 on a cluster)
+    collective_timeout: float = 60.0   # seconds a collective may wait for peers before this worker exits
+    progress: str = None               # a JSON file rewritten every step (step, loss, tokens/s, sync time)
+    simulated: bool = False            # a process of sim, which reports the data's warnings and the summary itself
+
+    def write(self, path: Path):
+        """The job as JSON; a key left at None is left out (read gives it back as None)."""
+        Path(path).write_text(json.dumps({k: v for k, v in asdict(self).items() if v is not None}, indent=1))
+
+    @classmethod
+    def read(cls, path) -> "WorkerJob":
+        """The job in file `path`, or one ConfigError line naming the file and what is wrong in it."""
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"job file {path} does not exist; {FIX}")
+        params = read_json(path, "a job file", FIX)
+        if isinstance(params, dict) and (missing := [f.name for f in fields(cls)
+                                                     if f.default is MISSING and f.name not in params]):
+            raise ConfigError(f"job file {path} lacks {', '.join(map(repr, missing))}; {FIX}")
+        try:  # an unknown key gets a did-you-mean, a value of the wrong type a valid example
+            return from_dict(cls, params, what="job key")
+        except ConfigError as e:
+            raise ConfigError(f"job file {path}: {e}") from None
