@@ -3,6 +3,15 @@
 Parameters are stacked on a leading worker axis; one `mx.vmap`-ed step computes every
 replica's loss and gradients at once, and the inner AdamW (elementwise) updates them all.
 Anything that couples parameters, like global-norm clipping, is computed per replica.
+
+The inner step is `mx.compile`d: traced once, then replayed with its elementwise chains fused
+(MLX's guidance: a pure function of its inputs; the optimizer state and the random state go in
+and out). A model whose update is one group (UPDATE_GROUP) steps as one compiled function,
+forward, backward, clipping and update, evaluated at once. What stays outside, and why:
+- a strategy's reduce_gradients that changes the gradients (DDP's mean is a collective, which
+  cannot run inside a graph): the compiled gradients go to it, and its result to the compiled update;
+- a larger model's update, evaluated a group at a time for memory (see UPDATE_GROUP);
+- checkpointed models' passes (models/checkpointing.py), which evaluate block by block.
 """
 
 import mlx.core as mx
@@ -23,14 +32,19 @@ from ..models.checkpointing import block_by_block, blockwise_value_and_grad
 UPDATE_GROUP = 1 << 24
 
 
-def in_groups(*trees, size: int = UPDATE_GROUP):
-    """The leaves of `trees` in groups of about `size` elements, in sorted path order (a tree read
-    back from a checkpoint has its keys in another order, and float sums must not depend on that);
-    leaves at the same path sit together (a parameter and its AdamW moments)."""
+def sorted_leaves(*trees) -> list:
+    """The leaves of `trees` in sorted path order (a tree read back from a checkpoint has its keys in
+    another order, and float sums must not depend on that); leaves at the same path sit together (a
+    parameter and its AdamW moments)."""
     leaves = sorted(((path, i, leaf) for i, tree in enumerate(trees) for path, leaf in tree_flatten(tree)),
                     key=lambda e: e[:2])
+    return [leaf for _, _, leaf in leaves]
+
+
+def in_groups(*trees, size: int = UPDATE_GROUP):
+    """The leaves of `trees` (sorted_leaves) in groups of about `size` elements."""
     group, n = [], 0
-    for _, _, leaf in leaves:
+    for leaf in sorted_leaves(*trees):
         if group and n + leaf.size > size:
             yield group
             group, n = [], 0
@@ -45,9 +59,19 @@ def clip_scale(grads, max_norm: float, size: int = UPDATE_GROUP) -> mx.array:
     evaluated group by group, so the squares never exist all at once."""
     sq = 0
     for group in in_groups(grads, size=size):
-        for g in group:
-            sq = sq + mx.sum(mx.square(g.reshape(g.shape[0], -1)), axis=1)
+        sq = squared_norms(group, sq)
         mx.eval(sq)
+    return clip_factor(sq, max_norm)
+
+
+def squared_norms(leaves, sq=0) -> mx.array:
+    """`sq` plus each replica's sum of squares over `leaves` (each with the worker axis first)."""
+    for g in leaves:
+        sq = sq + mx.sum(mx.square(g.reshape(g.shape[0], -1)), axis=1)
+    return sq
+
+
+def clip_factor(sq: mx.array, max_norm: float) -> mx.array:
     return mx.minimum(1.0, max_norm / (mx.sqrt(sq) + 1e-6))
 
 
@@ -88,12 +112,17 @@ class Workers:
         self._placeholders = placeholders(model.trainable_parameters())
         self.optimizer = optimizer
         self.optimizer.init(self.params)
-        if config.grad_checkpoint and loss is None:  # a block at a time: models/checkpointing.py
+        # A checkpointed model's passes evaluate a block at a time (models/checkpointing.py): an
+        # evaluation cannot happen inside a compiled function, so they run op by op.
+        self.checkpointed = config.grad_checkpoint and loss is None
+        if self.checkpointed:
             self._grad_fn = blockwise_value_and_grad(model, self.loss_fn)
         else:
             self._grad_fn = mx.value_and_grad(self.loss)
-        self._grads = mx.vmap(self._grad_fn) if vectorize else self._sequential(self._grad_fn)
-        self._eval_each = mx.vmap(self.loss, in_axes=(0, None, None)) if vectorize else self._eval_one_by_one
+        if vectorize:
+            self._use(mx.vmap(self._grad_fn), mx.vmap(self.loss, in_axes=(0, None, None)))
+        else:
+            self._use(self._sequential(self._grad_fn), self._eval_one_by_one)
         self._probe = vectorize == "auto"
         # One fused kernel per parameter instead of ~15 elementwise passes: the N-fold
         # optimizer work is most of what simulating N workers costs over one big batch.
@@ -101,6 +130,15 @@ class Workers:
         self._update = mx.compile(self._clip_and_update, inputs=[mx.random.state], outputs=[mx.random.state])
         self._masked_update = mx.compile(self._clip_and_update_some, inputs=[mx.random.state],
                                          outputs=[mx.random.state])
+        self.n_elements = n_local * sum(p.size for _, p in tree_flatten(self._placeholders))
+
+    def _use(self, grads, eval_each):
+        """Train with `grads` (vmapped or one replica after another): compiled, and inside the
+        compiled whole step, unless the model is checkpointed."""
+        self._grads, self._eval_each = grads, eval_each
+        self._compiled_grads = grads if self.checkpointed else mx.compile(grads)
+        self._whole_step = None if self.checkpointed else mx.compile(
+            self._clip_and_update_step, inputs=[mx.random.state], outputs=[mx.random.state])
 
     def loss(self, params, x, y):
         self.model.update(params)
@@ -139,17 +177,17 @@ class Workers:
 
     def _gradients_once(self, x, y):
         if not self._probe:
-            return self._grads(self.params, x, y)
+            return self._compiled_grads(self.params, x, y)
         self._probe = False
         try:
-            out = self._grads(self.params, x, y)
+            out = self._compiled_grads(self.params, x, y)
             mx.eval(out)
             return out
         except (ValueError, RuntimeError) as e:  # e.g. "not implemented for AsStrided" (conv2d's gradient)
             self.log(f"this model cannot be vmapped in MLX ({str(e).splitlines()[0][:80]}); "
                      "training its replicas one after another")
-            self._grads, self._eval_each = self._sequential(self._grad_fn), self._eval_one_by_one
-            return self._grads(self.params, x, y)
+            self._use(self._sequential(self._grad_fn), self._eval_one_by_one)
+            return self._compiled_grads(self.params, x, y)
 
     def _clip_and_update(self, params, grads, state, scale):
         """Pure function of its inputs (for mx.compile): the optimizer state goes in and out."""
@@ -158,6 +196,13 @@ class Workers:
             grads = tree_map(lambda g: g * scale.reshape((-1,) + (1,) * (g.ndim - 1)).astype(g.dtype), grads)
         params = self.optimizer.apply_gradients(grads, params)
         return params, self.optimizer.state
+
+    def _clip_and_update_step(self, params, state, x, y):
+        """The whole inner step, a pure function of its inputs (for mx.compile): the losses, the
+        gradients (for the strategy's hook) and the clipped update's parameters and state."""
+        losses, grads = self._grads(params, x, y)
+        scale = clip_factor(squared_norms(sorted_leaves(grads)), self.config.grad_clip) if self.clip else None
+        return losses, grads, self._clip_and_update(params, grads, state, scale)
 
     def _clip_and_update_some(self, params, grads, state, scale, active):
         """The update for the replicas where `active` (n_local,) is true; the others keep their
@@ -171,12 +216,37 @@ class Workers:
             return mx.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
         return tree_map(pick, new_params, params), tree_map(pick, new_state, old_state)
 
+    def _step_whole(self, x, y, strategy, step: int):
+        """The compiled whole step: (losses, None) when done; (losses, gradients) evaluated, when the
+        strategy's hook changed them (DDP's mean) and the update must be redone with them."""
+        state = self.optimizer.state  # (a trace leaves the optimizer holding the trace's arrays)
+        losses, grads, new = self._whole_step(self.params, state, x, y)
+        reduced = strategy.reduce_gradients(grads, step)
+        if reduced is grads:  # left alone: the update already in the graph is the step's
+            self.params, self.optimizer.state = new
+            mx.eval(losses, new)
+            self.release()
+            return losses, None
+        # The graph's update is dropped unevaluated (the random state has moved past its draws).
+        self.optimizer.state = state
+        del new
+        mx.eval(losses, reduced)
+        self.release()
+        return losses, reduced
+
     def step(self, x, y, strategy, step: int, active=None) -> mx.array:
         """One inner step of every local replica (of those `active` marks, if given); `step` is
         the job-wide step number (1-based). The strategy's after_step (the outer step) is left
         to the caller."""
-        losses, grads = self._gradients(x, y)  # evaluated: the activations are gone before the update
-        grads = strategy.reduce_gradients(grads, step)
+        # The whole step at once when the update is one group anyway; a larger model's gradients are
+        # evaluated first, and its update a group at a time (UPDATE_GROUP).
+        if self.n_elements <= self.update_group and not self.checkpointed and not self._probe and active is None:
+            losses, grads = self._step_whole(x, y, strategy, step)
+            if grads is None:
+                return losses
+        else:
+            losses, grads = self._gradients(x, y)  # evaluated: the activations are gone before the update
+            grads = strategy.reduce_gradients(grads, step)
         scale = clip_scale(grads, self.config.grad_clip, self.update_group) if self.clip else mx.ones(self.n_local)
         if active is None:
             new = self._update(self.params, grads, self.optimizer.state, scale)
