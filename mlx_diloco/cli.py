@@ -14,7 +14,8 @@ def add_config_flags(parser):
     """A flag for every config key, and for every option of every strategy (strategies/), each
     with the help its field carries (options.option)."""
     from .strategies import STRATEGIES  # imports MLX: only once the parser is built (after the BLAS re-exec)
-    parser.add_argument("--config", help="JSON file with config keys (flags given here override it)")
+    parser.add_argument("--config", help="JSON or YAML file with config keys; YAML may use mlx_lm.lora's "
+                                             "(flags given here override it)")
     names = []
     for f in fields(TrainConfig):
         listed = f": {', '.join(STRATEGIES)}" if f.name == "strategy" else ""  # the registered strategies
@@ -295,7 +296,9 @@ def cmd_generate(args):
 
 def cmd_export(args):
     from .export import export_mlx_lm
-    print(f"wrote {export_mlx_lm(args.run, args.out)} (load with mlx_lm.load)")
+    out = export_mlx_lm(args.run, args.out, fuse=args.fuse)
+    how = "mlx_lm.load(BASE, adapter_path=...)" if (out / "adapter_config.json").is_file() else "mlx_lm.load"
+    print(f"wrote {out} (load with {how})")
 
 
 def cmd_doctor(args):
@@ -437,6 +440,8 @@ def build_parser(config_flags: bool = True):
     s = sub.add_parser("export", help="export a Llama-family run as an mlx-lm model folder")
     s.add_argument("run", help="run folder")
     s.add_argument("out", help="output folder")
+    s.add_argument("--fuse", action="store_true", help="a fine-tuning run: fuse its adapters into the base "
+                   "model (as mlx_lm.fuse does) rather than export the adapters folder")
     s.set_defaults(func=cmd_export)
 
     s = sub.add_parser("doctor", help="check this machine: MLX, BLAS speed, distributed backends, memory")

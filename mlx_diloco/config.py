@@ -11,11 +11,13 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from .exchange.network import parse_link
+from .mlx_lm_config import read_yaml_config
 from .options import ConfigError, from_dict, option, read_json  # ConfigError: most callers import it from here
 from .speeds import Speeds
 
 
 PRECISIONS = ("fp32", "bf16")
+FINE_TUNE_TYPES = ("full", "lora", "dora")  # mlx-lm's names (models/finetune.py)
 MAX_AUTO_WARMUP = 50  # warmup -1: a fifth of the run, at most this many steps (TrainConfig.warmup_steps)
 DEFAULT_MAX_SEQ_LEN = 1024  # what seq-len 0 stands for at most (a model folder may allow 32K)
 
@@ -24,11 +26,21 @@ DEFAULT_MAX_SEQ_LEN = 1024  # what seq-len 0 stands for at most (a model folder 
 class TrainConfig:
     # What to train on
     model: str = option("small", "model preset name (see models/), a preset .json file, or an mlx-lm model folder")
-    data: str = option("shakespeare", "'shakespeare' (embedded), 'fashion-mnist', a text file, or a folder "
-                                      "of .txt files")
+    data: str = option("shakespeare", "'shakespeare' (embedded), 'fashion-mnist', a text file, a folder "
+                                      "of .txt files, or mlx-lm's JSONL: a .jsonl file or a folder with "
+                                      "train.jsonl and valid.jsonl (docs/data.md)")
+    mask_prompt: bool = option(False, "JSONL chat or prompt/completion data: the loss on the completion only "
+                                      "(the last message), not the prompt")
     tokenizer: str = option("", "HF/mlx-lm tokenizer folder (default: train a byte-level BPE on the corpus)")
     seq_len: int = option(0, f"tokens per training sequence (0: the model's context, at most {DEFAULT_MAX_SEQ_LEN})")
     batch_size: int = option(16, "sequences per worker per inner step")
+    # Fine-tuning (models/finetune.py), with mlx_lm.lora's names and defaults
+    fine_tune_type: str = option("full", "full (every weight trains), or lora / dora: adapters on the linear layers "
+                                         "of the last num-layers blocks, the base frozen (a quantized base: QLoRA)")
+    num_layers: int = option(16, "lora/dora: blocks that get adapters, from the last (-1: all)")
+    lora_rank: int = option(8, "lora/dora: the adapters' rank")
+    lora_scale: float = option(20.0, "lora/dora: the scale of the adapters' output")
+    lora_dropout: float = option(0.0, "lora/dora: dropout on the adapters' input")
     # The simulated (or real) cluster, and the strategy (strategies/: its options are its own)
     workers: int = option(4, "number of (simulated) workers")
     strategy: str = option("diloco", "training strategy")  # the command line lists the registered ones
@@ -86,9 +98,12 @@ class TrainConfig:
 
     @classmethod
     def from_file(cls, path) -> "TrainConfig":
+        """A JSON config, or a YAML one (.yaml, .yml) that may use mlx_lm.lora's keys (mlx_lm_config.py)."""
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist; pass the path of a JSON config")
+            raise ConfigError(f"config file {path} does not exist; pass the path of a JSON or YAML config")
+        if path.suffix.lower() in (".yaml", ".yml"):
+            return cls.from_dict(read_yaml_config(path, {f.name for f in fields(cls)}))
         return cls.from_dict(read_json(path, "a config file", 'pass a JSON config ({"workers": 4, ...})'))
 
     def to_dict(self) -> dict:
@@ -140,5 +155,11 @@ class TrainConfig:
         parse_link(self.link)  # a preset or 'BW[/LATENCY]'
         need(self.step_time >= 0, f"step-time must be >= 0 seconds, 0 to measure it (got {self.step_time})")
         need(self.memory_limit >= 0, f"memory-limit must be >= 0 GB, 0 for MLX's default (got {self.memory_limit})")
+        need(self.fine_tune_type in FINE_TUNE_TYPES, f"fine-tune-type must be one of {', '.join(FINE_TUNE_TYPES)} "
+                                                      f"(got '{self.fine_tune_type}')")
+        need(self.num_layers == -1 or self.num_layers >= 1, f"num-layers must be >= 1, or -1 for all (got {self.num_layers})")
+        need(self.lora_rank >= 1, f"lora-rank must be >= 1 (got {self.lora_rank})")
+        need(self.lora_scale > 0, f"lora-scale must be > 0 (got {self.lora_scale})")
+        need(0 <= self.lora_dropout < 1, f"lora-dropout must be in [0, 1) (got {self.lora_dropout})")
         need(not self.loss or ":" in self.loss, f"loss '{self.loss}' must name a function as 'package.module:function'")
 

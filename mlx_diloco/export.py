@@ -6,6 +6,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .config import ConfigError, TrainConfig
+from .models import adapters
 from .models.zoo import ModelSpec, build_model
 from .strategies import make_strategy
 from .training import checkpoint
@@ -33,12 +34,19 @@ def global_parameters(model, arrays: dict, meta: dict) -> dict:
     return strategy.global_from_state(model.trainable_parameters(), arrays)
 
 
-def export_mlx_lm(run_dir, out_dir) -> Path:
-    """Write an mlx-lm model folder (weights, config.json, tokenizer) for runs of mlx-lm architectures."""
+def export_mlx_lm(run_dir, out_dir, fuse: bool = False) -> Path:
+    """Write an mlx-lm model folder (weights, config.json, tokenizer) for runs of mlx-lm architectures.
+    A fine-tuning run (one with RUN/adapters) exports its adapters folder, or with `fuse` the base
+    model with its adapters fused in."""
     from mlx_lm.utils import save_config, save_model
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"output folder {out} is not empty; export into a new or empty folder")
+    if (adapters_dir := adapters.adapters_of(run_dir)).is_dir():
+        return adapters.fuse(adapters_dir, out) if fuse else Path(shutil.copytree(adapters_dir, out, dirs_exist_ok=True))
+    if fuse:
+        raise ConfigError(f"run {run_dir} has no {adapters.ADAPTERS}/ folder: only a fine-tuning run "
+                          "(--fine-tune-type lora or dora) has adapters to fuse; drop --fuse")
     model, spec, tokenizer = load_trained_model(run_dir)
     if spec.type in ("gpt", "cnn", "python"):
         raise ConfigError(f"model type '{spec.type}' has no mlx-lm architecture; export works for presets of "

@@ -2,6 +2,8 @@
 
     weights, gradients          P x (4 bytes fp32, 2 bf16)
     AdamW moments               2P x (4 or 2)
+    (fine-tuning with adapters: P is what trains, the adapters; the frozen base is one copy beside
+    them, shared by the process's replicas, at its size as stored: a quantized base's packed bytes)
     the strategy's outer state  what it keeps between syncs (strategy.outer_copies: DiLoCo's global
                                 model and outer momentum, 2P x 4, fp32 always), or nothing with
                                 offload-outer (they wait in a file between syncs)
@@ -37,6 +39,8 @@ class Shape:
     heads: int = 0
     vocab: int = 0
     attention_copies: int = 1  # attention rows kept per token: 1 with mx.fast's attention, 3 with plain ops (our GPT)
+    trainable: int = None    # parameters that train, when not all of them (adapters: models/finetune.py)
+    frozen_bytes: dict = None  # the frozen base's bytes by training precision ({"fp32": ..., "bf16": ...})
 
 
 def model_shape(params: dict, parameters: int) -> Shape:
@@ -85,6 +89,8 @@ class MemoryOptions:
 def estimate(shape: Shape, o: MemoryOptions, workers: int = 1) -> dict:
     """Bytes one process needs at its peak, by part, for `workers` replicas (1 on a cluster)."""
     P, w = shape.parameters, 2 if o.precision == "bf16" else 4
+    frozen = (shape.frozen_bytes or {}).get(o.precision, 0)  # one copy, whatever the replicas
+    P = P if shape.trainable is None else shape.trainable   # from here on: what trains
     m = 2 if o.moments_precision == "bf16" else 4
     tokens = o.batch_size * max(o.seq_len, 1)
     # Activations, fitted to MLX's peaks on the CPU (bench/memory.py): per block and token the
@@ -105,7 +111,7 @@ def estimate(shape: Shape, o: MemoryOptions, workers: int = 1) -> dict:
     fragment = P // max(o.fragments, 1)
     parts = {
         "runtime": RUNTIME_BYTES,
-        "weights": workers * P * w,
+        "weights": workers * P * w + frozen,
         "gradients": workers * P * w,
         "moments": workers * 2 * P * m,
         "outer state": 0 if o.offload_outer else o.outer_copies * P * 4,  # e.g. global model, momentum (fp32)
@@ -172,11 +178,26 @@ def model_params(name: str):
     return spec, count_parameters(build_model(spec, lazy=True))
 
 
+def trained_shape(config):
+    """(preset spec, Shape) of the model a config trains, its fine-tune type applied (adapters: what
+    trains, and the frozen base's bytes), without allocating the weights (MLX imported on call)."""
+    from .models.finetune import ADAPTER_TYPES, apply_fine_tune, frozen_bytes, trainable_count
+    from .models.zoo import build_model, count_parameters, load_spec
+    spec = load_spec(config.model)
+    model = build_model(spec, lazy=True)
+    shape = model_shape(spec.params, count_parameters(model))
+    if config.fine_tune_type in ADAPTER_TYPES:
+        apply_fine_tune(model, config)
+        shape = replace(shape, trainable=trainable_count(model),
+                        frozen_bytes={p: frozen_bytes(model, p) for p in ("fp32", "bf16")})
+    return spec, shape
+
+
 def worker_estimate(config, strategy) -> tuple:
     """(MemoryOptions, Shape, estimate) of one worker of a resolved TrainConfig and its strategy
     (training/resolve.py; one worker per machine)."""
-    spec, n = model_params(config.model)
-    o, shape = MemoryOptions.of(config, strategy), model_shape(spec.params, n)
+    _, shape = trained_shape(config)
+    o = MemoryOptions.of(config, strategy)
     return o, shape, estimate(shape, o)
 
 

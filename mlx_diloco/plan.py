@@ -10,7 +10,7 @@ from .exchange.codecs import get_codec
 from .exchange.comm import exchange_plan
 from .exchange.network import LINKS, exchange_time, parse_link
 from .memory import (GB, GPU_SHARE, MAC_MEMORY_GB, MemoryOptions, estimate, flags, macs_it_fits, make_it_fit,
-                     model_params, model_shape, on_this_machine)
+                     on_this_machine, trained_shape)
 from .strategies import make_strategy
 from .training.metrics import human_bytes
 
@@ -19,7 +19,8 @@ from .training.metrics import human_bytes
 # the minute a step of a large model takes.
 STRATEGY = "diloco"  # plan's columns set DDP beside (Streaming) DiLoCo
 FLAGS = ("batch_size", "seq_len", "precision", "moments_precision", "grad_checkpoint", "offload_outer",
-         "compress", "fragments", "overlap_steps", "workers", "sync_every", "step_time")
+         "compress", "fragments", "overlap_steps", "workers", "sync_every", "step_time",
+         "fine_tune_type", "num_layers", "lora_rank")
 WHAT_IF = {"workers": 2, "sync_every": 500, "step_time": 60.0}
 
 
@@ -61,11 +62,13 @@ def format_duration(s: float) -> str:
 
 def print_memory(model: str, config: TrainConfig, strategy) -> int:
     """Memory of one worker training `model` with `config` and `strategy`; returns its parameter count."""
-    spec, n = model_params(model)
+    spec, shape = trained_shape(replace(config, model=model))  # adapters: what trains, and the frozen base
+    n = shape.parameters
     config = replace(config, seq_len=config.seq_len or min(spec.context_length, DEFAULT_MAX_SEQ_LEN))
-    o, shape = MemoryOptions.of(config, strategy), model_shape(spec.params, n)
+    o = MemoryOptions.of(config, strategy)
     est = estimate(shape, o)
-    print(f"memory of one DiLoCo worker: model {model} ({n / 1e6:,.1f}M parameters), {o.describe()}")
+    trained = f", {config.fine_tune_type} adapters {shape.trainable / 1e6:,.2f}M" if shape.trainable is not None else ""
+    print(f"memory of one DiLoCo worker: model {model} ({n / 1e6:,.1f}M parameters{trained}), {o.describe()}")
     print("  " + ", ".join(f"{k} {v / GB:.2f} GB" for k, v in est.items() if v and k != "total"))
     macs = macs_it_fits(est["total"])
     print(f"  total {est['total'] / GB:.2f} GB ({est['total'] / n:.1f} bytes/parameter): fits Macs of "

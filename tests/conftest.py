@@ -28,3 +28,34 @@ def run_cli(*args, timeout=300, cwd=None, env=None):
     import subprocess
     return subprocess.run([sys.executable, "-m", "mlx_diloco", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, cwd=cwd, env={**os.environ, **(env or {})})
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def tiny_llama_folder(folder, layers: int = 2, quantize: bool = False, corpus: str = None):
+    """A random llama (hidden 32, MLP 64, one key-value head of 16) saved as mlx-lm saves models
+    (4-bit with `quantize`), with a byte-level BPE tokenizer trained on `corpus` that has a chat
+    template: what the fine-tuning tests start from, with nothing downloaded."""
+    import json
+    from dataclasses import asdict
+    import mlx.core as mx
+    from mlx_lm.models.llama import Model, ModelArgs
+    from mlx_lm.utils import quantize_model, save_config, save_model
+    from mlx_diloco.data.datasets import train_bpe
+    train_bpe(corpus or "the user asks and the assistant answers the question\n" * 50, 300, folder)
+    tok_config = folder / "tokenizer_config.json"
+    tok_config.write_text(json.dumps({**json.loads(tok_config.read_text()), "chat_template": CHAT_TEMPLATE}))
+    args = ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=layers, intermediate_size=64,
+                     num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=320,
+                     max_position_embeddings=256, tie_word_embeddings=False)
+    mx.random.seed(0)
+    model = Model(args)
+    config = {k: v for k, v in asdict(args).items() if v is not None}
+    if quantize:
+        model, config = quantize_model(model, config, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    save_model(folder, model)
+    save_config(config, folder / "config.json")
+    return folder

@@ -69,3 +69,23 @@ def test_a_gradient_hooks_result_is_what_the_update_uses():
         np.testing.assert_allclose(np.array(frozen[k]), np.broadcast_to(np.array(p), frozen[k].shape), rtol=1e-3,
                                    err_msg=k)
     assert max(float(mx.abs(trained[k] - p).max()) for k, p in before.items()) > 1e-4
+
+
+def test_compiled_passes_draw_a_new_dropout_mask_every_call():
+    """Dropout (lora-dropout, a model's own) draws from MLX's random state: a compiled function
+    that did not take the state in and out would replay its first trace's mask at every step."""
+    import mlx.nn as nn
+    dropout = nn.Dropout(0.5)
+
+    def dropped_loss(model, x, y):
+        return cross_entropy(model, x, y) + dropout(mx.ones(64)).sum() * 1e-3  # its mask shows in the loss
+    config = tiny_config()
+    workers = Workers(build_model(load_spec("tiny"), seed=0), 2, config, default_inner_optimizer(config),
+                      loss=dropped_loss, log=lambda m: None)
+    x = mx.array(np.random.default_rng(0).integers(0, 256, (2, 4, 16)))
+    y = mx.roll(x, -1, axis=-1)
+    grads = [workers._compiled_grads(workers.params, x, y)[0] for _ in range(3)]
+    whole = [workers._whole_step(workers.params, workers.optimizer.state, x, y)[0] for _ in range(3)]
+    for losses in (grads, whole):
+        mx.eval(losses)
+        assert len({tuple(np.array(l).round(6)) for l in losses}) == 3, losses

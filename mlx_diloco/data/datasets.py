@@ -21,6 +21,7 @@ import numpy as np
 
 from ..atomic import atomic_write_bytes
 from ..config import ConfigError
+from .jsonl import is_jsonl, load_jsonl
 
 VAL_FRACTION = 0.05
 EMBEDDED = "shakespeare"
@@ -212,11 +213,13 @@ class BatchStream:
 
 class Dataset:
     """Train and validation examples, plus the tokenizer folder for text. `is_shard`: the train
-    examples are one worker's shard already (shipped to a cluster worker), not the whole corpus."""
+    examples are one worker's shard already (shipped to a cluster worker), not the whole corpus.
+    `masked_targets`: some targets are jsonl.IGNORE (padding, prompts), which the loss leaves out."""
 
-    def __init__(self, train, val, tokenizer_dir=None, vocab_size=None, is_shard=False):
+    def __init__(self, train, val, tokenizer_dir=None, vocab_size=None, is_shard=False, masked_targets=False):
         self.train, self.val = train, val
         self.tokenizer_dir, self.vocab_size, self.is_shard = tokenizer_dir, vocab_size, is_shard
+        self.masked_targets = masked_targets
 
     def tokens_per_example(self):
         """Tokens in one example: a text window's length, or the length of an integer sequence
@@ -359,7 +362,23 @@ def prepare_arrays(path: Path) -> Dataset:
                    ArrayExamples(arrays[f"{split}_inputs"], arrays[f"{split}_targets"]))
 
 
-def prepare(source: str, seq_len: int, vocab_size: int, tokenizer: str = "", log=print) -> Dataset:
+def prepare_jsonl(source: str, seq_len: int, tokenizer: str, mask_prompt: bool, log=print) -> Dataset:
+    """mlx-lm's fine-tuning data (data/jsonl.py): whole examples, padded, the targets the loss
+    leaves out masked; test.jsonl's, if there is one, kept as `test`."""
+    splits, vocab_size = load_jsonl(source, seq_len, tokenizer, mask_prompt, VAL_FRACTION, log)
+    data = Dataset(ArrayExamples(*splits["train"]), ArrayExamples(*splits["valid"]), Path(tokenizer), vocab_size,
+                   masked_targets=True)
+    data.test = ArrayExamples(*splits["test"]) if "test" in splits else None
+    return data
+
+
+def prepare(source: str, seq_len: int, vocab_size: int, tokenizer: str = "", log=print,
+            mask_prompt: bool = False) -> Dataset:
+    if is_jsonl(source):  # mlx-lm's fine-tuning formats
+        return prepare_jsonl(source, seq_len, tokenizer, mask_prompt, log)
+    if mask_prompt:
+        raise ConfigError(f"mask-prompt needs prompts to mask, and data {source} is not JSONL; give a .jsonl "
+                          "file or a folder with train.jsonl, or drop --mask-prompt")
     if source == FASHION_MNIST:
         return prepare_fashion_mnist(find_fashion_mnist())
     if is_fashion_mnist_folder(source):

@@ -129,8 +129,10 @@ class Strategy:
         self.comm, self.steps = comm, steps
         return self
 
-    def check_model(self, spec):
-        """Refuse a model the options do not fit, before any data is read (spec: modelzoo.ModelSpec)."""
+    def check_model(self, spec, adapted_blocks: int = None):
+        """Refuse a model the options do not fit, before any data is read (spec: modelzoo.ModelSpec;
+        adapted_blocks: the blocks that carry adapters, which are all that trains, or None when every
+        weight trains: models/finetune.py)."""
 
     def inner_optimizer(self, config) -> optim.Optimizer:
         return default_inner_optimizer(config)

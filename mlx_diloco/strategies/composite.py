@@ -80,9 +80,9 @@ class Composite(Strategy):
             p.bind(comm, steps)
         return super().bind(comm, steps)
 
-    def check_model(self, spec):
+    def check_model(self, spec, adapted_blocks=None):
         for p in self.parts.values():
-            p.check_model(spec)
+            p.check_model(spec, adapted_blocks)
 
     def setup(self, params):
         for p in self.parts.values():

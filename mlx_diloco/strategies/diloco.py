@@ -74,7 +74,11 @@ class DiLoCo(Strategy):
                      f"merge-alpha must be in [0, 1] (got {self.merge_alpha})")
         self.require(self.ddp_warmup_steps >= 0, f"ddp-warmup-steps must be >= 0 (got {self.ddp_warmup_steps})")
 
-    def check_model(self, spec):
+    def check_model(self, spec, adapted_blocks=None):
+        if adapted_blocks is not None and self.fragments > max(adapted_blocks, 1):  # fragments of the adapters
+            raise ConfigError(f"{self.fragments} fragments but only {adapted_blocks} blocks of model '{spec.name}' "
+                              f"have adapters; pass --fragments {max(adapted_blocks, 1)} or fewer, or a larger "
+                              "--num-layers")
         if self.fragments > max(spec.num_blocks, 1):
             raise ConfigError(f"{self.fragments} fragments but model '{spec.name}' has {spec.num_blocks} blocks; "
                               f"pass --fragments {max(spec.num_blocks, 1)} or fewer")

@@ -51,6 +51,11 @@ class MuLoCo(DiLoCo):
         super().check()
         self.require(self.muon_lr > 0, f"muon-lr must be > 0 (got {self.muon_lr})")
 
+    def check_model(self, spec, adapted_blocks=None):
+        super().check_model(spec, adapted_blocks)
+        self.require(adapted_blocks is None, "Muon steps the blocks' weight matrices, which lora/dora freeze (the "
+                     "adapters would all take AdamW: plain diloco); use --strategy diloco")
+
     def inner_optimizer(self, config):
         muon = ReplicaMuon(lr_schedule(config, self.muon_lr), momentum=self.muon_momentum,
                            weight_decay=config.weight_decay)

@@ -9,6 +9,7 @@ from pathlib import Path
 from ..run_folder import latest_step
 from ..config import DEFAULT_MAX_SEQ_LEN, ConfigError, TrainConfig
 from ..data.datasets import EMBEDDED, FASHION_MNIST, is_fashion_mnist_folder, load_shard, prepare
+from ..models.finetune import adapted_blocks, check_fine_tune
 from ..models.zoo import build_model, import_builder, load_spec
 from ..strategies import make_strategy
 from . import checkpoint
@@ -50,7 +51,8 @@ def resolve(config: TrainConfig) -> Resolved:
     if not arrays and spec.is_language_model == images:
         raise ConfigError(f"model '{config.model}' does not fit data '{config.data}': "
                           "the cnn preset trains on fashion-mnist, language models on text")
-    strategy.check_model(spec)
+    check_fine_tune(config, spec)
+    strategy.check_model(spec, adapted_blocks(config, spec.num_blocks))  # adapters: what the strategy exchanges
     if config.seq_len == 0 and spec.is_language_model and not arrays:
         config = replace(config, seq_len=min(spec.context_length, DEFAULT_MAX_SEQ_LEN))
     if spec.is_language_model and config.seq_len > spec.context_length:
@@ -65,7 +67,8 @@ def load_data(config: TrainConfig, spec, log=print, shard_dir=None):
     if shard_dir:
         data = load_shard(shard_dir)
     else:
-        data = prepare(config.data, config.seq_len, spec.vocab_size or 0, tokenizer, log=log)
+        data = prepare(config.data, config.seq_len, spec.vocab_size or 0, tokenizer, log=log,
+                       mask_prompt=config.mask_prompt)
     if data.vocab_size and spec.vocab_size and data.vocab_size > spec.vocab_size:
         raise ConfigError(f"tokenizer has {data.vocab_size} tokens but model '{config.model}' only "
                           f"{spec.vocab_size}; use a model preset with a larger vocab_size")

@@ -23,7 +23,9 @@ from ..data.datasets import BatchStream, ShardSampler, oversized_batch
 from ..exchange.comm import Communicator, NonFiniteValues
 from ..exchange.ledger import ExchangeLedger
 from ..exchange.network import parse_link
+from ..models.adapters import ADAPTERS, save_adapters
 from ..models.checkpointing import checkpoint_blocks
+from ..models.finetune import ADAPTER_TYPES, adapter_config, apply_fine_tune, is_quantized
 from ..models.precision import to_bf16
 from ..models.zoo import count_parameters
 from ..run_folder import check_new_run_dir, latest_step
@@ -63,7 +65,9 @@ def memory_limit(gb: float):
 
 
 def convert_model(model, config: TrainConfig):
-    """The model as the config trains it: bf16 weights, blocks checkpointed for memory (models/)."""
+    """The model as the config trains it: its fine-tune type (adapters, the base frozen), bf16
+    weights, blocks checkpointed for memory (models/)."""
+    apply_fine_tune(model, config)  # first: the adapters too are trained in the config's precision
     if config.precision == "bf16":
         to_bf16(model)
     if config.grad_checkpoint and not checkpoint_blocks(model):
@@ -112,9 +116,11 @@ class Run:
         self.checkpoint_every = period or self.eval_every
         # Checkpointed blocks are for memory: replicas one after another, so that passes can go
         # block by block (models/checkpointing.py), which vmap does not allow.
-        vectorize = False if config.grad_checkpoint else parts.vectorize
+        # MLX cannot vmap a quantized base's matmul (QuantizedMatmul::vmap): QLoRA too.
+        vectorize = False if config.grad_checkpoint or is_quantized(model) else parts.vectorize
         self.workers = Workers(model, comm.n_local, config, self.strategy.inner_optimizer(config),
-                               clip=self.strategy.clip_gradients, vectorize=vectorize, loss=parts.loss, log=log)
+                               clip=self.strategy.clip_gradients, vectorize=vectorize, loss=parts.loss,
+                               masked=self.data.masked_targets, log=log)
         self.data_workers = comm.local_workers if place.data_worker is None else [place.data_worker]
         self.samplers = self._samplers(place.num_shards or config.workers)
         if reporter and not resume and (note := oversized_batch(config.batch_size, self.samplers)):
@@ -349,6 +355,9 @@ class Run:
         self.comm.check_finite(self.workers.params, "its weights")
         arrays, meta = self.state()
         checkpoint.save(self.checkpoint_dir, self.steps_done, arrays, meta)  # empties `arrays` as it writes
+        if self.reporter and self.config.fine_tune_type in ADAPTER_TYPES:  # the global adapters, for mlx-lm
+            save_adapters(self.run_dir / ADAPTERS, self.global_params(),
+                          {**adapter_config(self.config), "model": self.config.model})
 
     def _restore(self):
         self.load_state(*checkpoint.load(self.checkpoint_dir, self.place.resume_step, log=self.log))

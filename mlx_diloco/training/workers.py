@@ -20,6 +20,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
 from ..config import ConfigError
+from ..data.jsonl import IGNORE
 from ..exchange.worker_axis import placeholders, replica, stack_copies
 from ..models import fastmath
 from ..models.checkpointing import block_by_block, blockwise_value_and_grad
@@ -80,6 +81,14 @@ def cross_entropy(model, x, y):
     return fastmath.cross_entropy(model(x).astype(mx.float32), y)
 
 
+def masked_cross_entropy(model, x, y):
+    """The loss of masked data (JSONL: data/jsonl.py): the mean cross-entropy over the targets that are
+    not IGNORE (padding, and prompts under mask-prompt), as mlx-lm's default_loss."""
+    trained = y != IGNORE
+    ce = nn.losses.cross_entropy(model(x).astype(mx.float32), mx.where(trained, y, 0)) * trained
+    return ce.sum() / mx.maximum(trained.sum(), 1)
+
+
 def check_loss(loss_fn, model, x, y):
     """A loss function given by the user, tried on one batch: it must return one float (a scalar
     mx.array), which the gradient is taken of; else a ConfigError saying what it returned."""
@@ -99,13 +108,14 @@ def check_loss(loss_fn, model, x, y):
 
 class Workers:
     """`vectorize`: True (vmap), False (one replica after another) or "auto" (vmap, unless the
-    model's first step shows that MLX cannot vmap it: then say so once and go one by one)."""
+    model's first step shows that MLX cannot vmap it: then say so once and go one by one).
+    `masked`: the data's targets are masked (IGNORE), and the default loss leaves those out."""
     update_group = UPDATE_GROUP
 
     def __init__(self, model: nn.Module, n_local: int, config, optimizer: optim.Optimizer, clip: bool = True,
-                 vectorize=True, loss=None, log=print):
+                 vectorize=True, loss=None, masked=False, log=print):
         self.model, self.config, self.n_local, self.log = model, config, n_local, log
-        self.loss_fn = loss or cross_entropy
+        self.loss_fn = loss or (masked_cross_entropy if masked else cross_entropy)
         self.clip = clip and config.grad_clip > 0
         self.params = stack_copies(model.trainable_parameters(), n_local)
         # Unevaluated zeros of the model's shape: what the model holds between uses (see release).
@@ -136,7 +146,10 @@ class Workers:
         """Train with `grads` (vmapped or one replica after another): compiled, and inside the
         compiled whole step, unless the model is checkpointed."""
         self._grads, self._eval_each = grads, eval_each
-        self._compiled_grads = grads if self.checkpointed else mx.compile(grads)
+        # The random state goes in and out, as in the whole step: else a dropout mask drawn in the
+        # first trace would be replayed at every step.
+        self._compiled_grads = grads if self.checkpointed else mx.compile(
+            grads, inputs=[mx.random.state], outputs=[mx.random.state])
         self._whole_step = None if self.checkpointed else mx.compile(
             self._clip_and_update_step, inputs=[mx.random.state], outputs=[mx.random.state])
 
@@ -179,8 +192,8 @@ class Workers:
         if not self._probe:
             return self._compiled_grads(self.params, x, y)
         self._probe = False
-        try:
-            out = self._compiled_grads(self.params, x, y)
+        try:  # op by op: a compiled trace that raised would leave its placeholder in MLX's random
+            out = self._grads(self.params, x, y)  # state, and whatever is drawn next could not be evaluated
             mx.eval(out)
             return out
         except (ValueError, RuntimeError) as e:  # e.g. "not implemented for AsStrided" (conv2d's gradient)
