@@ -18,6 +18,7 @@ from .speeds import Speeds
 
 PRECISIONS = ("fp32", "bf16")
 FINE_TUNE_TYPES = ("full", "lora", "dora")  # mlx-lm's names (models/finetune.py)
+REPORTERS = ("wandb", "swanlab")  # mlx-lm's get_reporting_callbacks (training/callbacks.py)
 MAX_AUTO_WARMUP = 50  # warmup -1: a fifth of the run, at most this many steps (TrainConfig.warmup_steps)
 DEFAULT_MAX_SEQ_LEN = 1024  # what seq-len 0 stands for at most (a model folder may allow 32K)
 
@@ -41,6 +42,9 @@ class TrainConfig:
     lora_rank: int = option(8, "lora/dora: the adapters' rank")
     lora_scale: float = option(20.0, "lora/dora: the scale of the adapters' output")
     lora_dropout: float = option(0.0, "lora/dora: dropout on the adapters' input")
+    lora_keys: str = option("", "lora/dora: the layers that get adapters, comma-separated paths in a block, e.g. "
+                                "self_attn.q_proj,self_attn.v_proj (mlx-lm's lora_parameters.keys; '': every "
+                                "linear layer)")
     # The simulated (or real) cluster, and the strategy (strategies/: its options are its own)
     workers: int = option(4, "number of (simulated) workers")
     strategy: str = option("diloco", "training strategy")  # the command line lists the registered ones
@@ -76,6 +80,9 @@ class TrainConfig:
                                           "one more forward pass (models/checkpointing.py)")
     memory_limit: float = option(0.0, "GB this process keeps to: MLX waits for work in flight instead of "
                                       "allocating past it (0: MLX's default)")
+    report_to: str = option("", "loggers, as mlx_lm.lora's: wandb, swanlab, or both comma-separated (pip install "
+                                "wandb / swanlab); the reporting process logs every step's loss and every evaluation")
+    project_name: str = option("", "with report-to: the logger's project (mlx-lm's project_name; '': its default)")
 
     @classmethod
     def from_dict(cls, params: dict) -> "TrainConfig":
@@ -115,6 +122,10 @@ class TrainConfig:
         """The learning rate's warmup in steps: as set, or (-1) a fifth of the run, at most 50 steps,
         so that a short run is not spent warming up (60 steps: 12, not 50; 250 steps or more: 50)."""
         return self.warmup if self.warmup >= 0 else min(MAX_AUTO_WARMUP, self.steps // 5)
+
+    def reporters(self) -> list:
+        """The loggers of report-to, as mlx-lm splits them ("wandb, swanlab": both)."""
+        return [name.strip().lower() for name in self.report_to.split(",") if name.strip()]
 
     def check_strategy(self, strategy):
         """What the config asks of its strategy (built from it: training/resolve.py): speed-policy
@@ -161,5 +172,7 @@ class TrainConfig:
         need(self.lora_rank >= 1, f"lora-rank must be >= 1 (got {self.lora_rank})")
         need(self.lora_scale > 0, f"lora-scale must be > 0 (got {self.lora_scale})")
         need(0 <= self.lora_dropout < 1, f"lora-dropout must be in [0, 1) (got {self.lora_dropout})")
+        for name in self.reporters():
+            need(name in REPORTERS, f"report-to: no logger '{name}'; choose from {', '.join(REPORTERS)}")
         need(not self.loss or ":" in self.loss, f"loss '{self.loss}' must name a function as 'package.module:function'")
 

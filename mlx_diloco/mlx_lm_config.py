@@ -25,7 +25,7 @@ RENAMED = {"iters": "steps", "learning_rate": "lr", "max_seq_length": "seq_len",
 LORA_PARAMETERS = {"rank": "lora_rank", "scale": "lora_scale", "dropout": "lora_dropout", "keys": "lora_keys"}
 # Kept under their own names; listed so that a version without one says so (see `translate`).
 SAME_NAME = ("model", "data", "seed", "batch_size", "grad_checkpoint", "fine_tune_type", "num_layers",
-             "mask_prompt")
+             "mask_prompt", "report_to", "project_name")
 # Served otherwise here: a note says how, and the key is dropped. No note where the value asks
 # for nothing (null, false, 0).
 NOTES = {
@@ -36,8 +36,6 @@ NOTES = {
     "test_batches": "no test-set pass here",
     "lr_schedule": "the schedule here is a linear warmup (--warmup) then a cosine decay from lr",
     "clear_cache_threshold": "MLX's cache is left to --memory-limit",
-    "report_to": "loggers are not supported by this version",
-    "project_name": "loggers are not supported by this version",
     "trust_remote_code": "tokenizers are loaded without remote code",
 }
 # Requests this project cannot carry out, unless they hold these values (mlx-lm's defaults of them).
@@ -110,7 +108,9 @@ def translate(params: dict, own_keys) -> tuple:
         elif key == "lora_parameters":
             for name, v in lora_parameters(value).items():
                 put(f"lora_parameters.{name}", counterpart(f"lora_parameters.{name}", LORA_PARAMETERS[name]), v)
-        elif key in own_keys or key in SAME_NAME:  # ours too (so is report_to, once an option here)
+        elif key in ("report_to", "project_name") and value is None:  # mlx-lm's default: none
+            continue
+        elif key in own_keys or key in SAME_NAME:  # ours too
             put(key, counterpart(key, key), value)
         elif key in NOTES:
             if value not in (None, False, 0, ""):
@@ -126,10 +126,17 @@ def translate(params: dict, own_keys) -> tuple:
 
 
 def lora_parameters(value) -> dict:
+    """mlx-lm's lora_parameters, its `keys` (a list of layer paths) as lora_keys' comma-separated string."""
     if not isinstance(value, dict) or set(value) - LORA_PARAMETERS.keys():
         raise ConfigError(f"lora_parameters must hold {', '.join(LORA_PARAMETERS)} "
                           f"(e.g. {{rank: 8, scale: 20.0, dropout: 0.0}}), not {value!r}")
-    return value
+    keys = value.get("keys")
+    if keys is None:
+        return {k: v for k, v in value.items() if k != "keys"}
+    if not (isinstance(keys, list) and keys and all(isinstance(k, str) and k and "," not in k for k in keys)):
+        raise ConfigError(f"lora_parameters.keys must be a list of layer paths in a block, e.g. "
+                          f"[self_attn.q_proj, self_attn.v_proj], not {keys!r}")
+    return {**value, "keys": ",".join(keys)}
 
 
 def refuse_what_cannot_be_honoured(params: dict):

@@ -1,12 +1,14 @@
 """A user's callback hears what the run's own files record (training/callbacks.py)."""
 
+import importlib.util
 import json
 
 import pytest
 
 from conftest import tiny_config
+from mlx_diloco.config import ConfigError
 from mlx_diloco.exchange.comm import SimCommunicator
-from mlx_diloco.training.callbacks import TrainingCallback
+from mlx_diloco.training.callbacks import TrainingCallback, mlx_lm_train_info, mlx_lm_val_info
 from mlx_diloco.training.run import Run
 
 
@@ -64,3 +66,28 @@ def test_steps_taken_one_by_one_report_too(tmp_path):
     assert run.steps_done == 4 and [r["step"] for r in heard.train] == [1, 2, 3, 4]
     assert [r["step"] for r in heard.val] == [0, 4] and [r["step"] for r in heard.sync] == [4]
     assert heard.begin == heard.end == []  # Run.train's own
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
+def test_report_to_a_missing_logger_is_one_line_before_the_run(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        Run(tiny_config(report_to="wandb"), tmp_path / "r", SimCommunicator(2), log=lambda m: None)
+    assert str(e.value) == "report-to wandb: the wandb package is not installed; pip install wandb " \
+                           "(or drop --report-to wandb)"
+    assert not (tmp_path / "r").exists()  # said before the run folder is made
+
+
+def test_reports_in_mlx_lm_s_keys(tmp_path):
+    """What report-to's loggers get: a run's real reports in the keys of mlx-lm's train_info and
+    val_info (tuner/trainer.py), with numbers only (what wandb.log and swanlab.log chart)."""
+    heard = Recorder()
+    Run(tiny_config(steps=8, sync_every=4), tmp_path / "r", SimCommunicator(2), log=lambda m: None,
+        callbacks=[heard]).train()
+    train = [mlx_lm_train_info(r) for r in heard.train]
+    assert [(t["iteration"], t["train_loss"], t["tokens_per_second"]) for t in train] == \
+        [(r["step"], r["loss"], r["job_tokens_per_s"]) for r in heard.train]
+    val = [mlx_lm_val_info(r) for r in heard.val]
+    assert [(v["iteration"], v["val_loss"], v["trained_tokens"]) for v in val] == \
+        [(r["step"], r["eval_loss"], r["tokens"]) for r in heard.val]
+    assert val[-1]["peak_memory"] == heard.val[-1]["peak_memory_bytes"] / 1e9 > 0  # GB, as mlx-lm's
+    assert all(isinstance(v, (int, float)) for info in train + val for v in info.values())

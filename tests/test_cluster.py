@@ -214,3 +214,30 @@ def test_lost_machine_waited_for_rejoins_the_job(cluster, tmp_path):
     assert [e for e in events(run_dir) if e["event"] == "started"][-1]["workers"] == 3
     _, sim_loss = sim_global(config, tmp_path)
     assert_final_loss(run_dir, sim_loss, rel=2e-3)  # all three shards, as uninterrupted
+
+
+def test_lora_on_chat_jsonl_through_launch_trains_like_sim(cluster, tmp_path):
+    """A LoRA fine-tune of a tiny llama folder (on every machine: the emulated hosts share this disk)
+    on chat JSONL: the launcher ships each worker its whole examples, and the global adapters and
+    eval losses equal the simulator's, which reads the data itself."""
+    import mlx.core as mx
+    from conftest import tiny_llama_folder
+    from mlx_diloco.config import TrainConfig
+    model = tiny_llama_folder(tmp_path / "llama")
+    chat = lambda i: {"messages": [{"role": "user", "content": f"what is {i} and {i + 1}?"},
+                                   {"role": "assistant", "content": f"the answer is {2 * i + 1}"}]}
+    (tmp_path / "chat").mkdir()
+    for split, numbers in (("train", range(30)), ("valid", range(30, 36))):
+        (tmp_path / "chat" / f"{split}.jsonl").write_text("".join(json.dumps(chat(i)) + "\n" for i in numbers))
+    config = TrainConfig.from_dict(dict(model=str(model), data=str(tmp_path / "chat"), fine_tune_type="lora",
+                                        num_layers=2, lora_rank=4, mask_prompt=True, seq_len=64, batch_size=4,
+                                        workers=3, steps=8, sync_every=4, warmup=0, lr=1e-2, eval_batches=1,
+                                        compress="fp32"))
+    run_dir = tmp_path / "run"
+    finish(launch(config, run_dir))
+    assert [e["event"] for e in events(run_dir)] == ["shipped"] * 3 + ["started"]
+    _, sim_loss = sim_global(config, tmp_path)
+    (worker0,) = cluster.folder.glob("host*/jobs/*/worker-0")
+    got, expected = (mx.load(str(d / "adapters" / "adapters.safetensors")) for d in (worker0, tmp_path / "sim"))
+    assert_same_params({k: np.array(v) for k, v in got.items()}, {k: np.array(v) for k, v in expected.items()})
+    assert final_loss(run_dir) == pytest.approx(sim_loss, rel=1e-4)

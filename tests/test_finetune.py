@@ -89,6 +89,33 @@ def test_adapter_config_is_mlx_lm_s_shape():
     assert adapter_config(TrainConfig())["lora_parameters"] is None  # full, as mlx_lm.lora writes it
 
 
+def test_lora_keys_put_adapters_on_the_named_layers_only(base, tmp_path):
+    """mlx-lm's lora_parameters.keys from a lora.yaml: adapters on those layers alone, and an
+    adapter_config.json from which mlx-lm's own load_adapters rebuilds the same adapters."""
+    from mlx_lm.tuner.utils import load_adapters
+    from mlx_lm.utils import load_model
+    from mlx_diloco.models.adapters import save_adapters
+    (tmp_path / "lora.yaml").write_text(
+        f"model: {base}\nfine_tune_type: lora\nnum_layers: 2\n"
+        "lora_parameters:\n  keys: [self_attn.q_proj, self_attn.v_proj]\n  rank: 4\n  scale: 10.0\n  dropout: 0.0\n")
+    config = TrainConfig.from_file(tmp_path / "lora.yaml")
+    model = apply_fine_tune(load_model(base)[0], config)
+    adapters = {k for k, _ in tree_flatten(model.trainable_parameters())}
+    assert adapters == {f"model.layers.{b}.self_attn.{p}_proj.lora_{ab}" for b in (2, 3) for p in "qv" for ab in "ab"}
+    assert adapter_config(config)["lora_parameters"]["keys"] == ["self_attn.q_proj", "self_attn.v_proj"]
+    save_adapters(tmp_path / "adapters", model.trainable_parameters(), {**adapter_config(config), "model": str(base)})
+    rebuilt = load_adapters(load_model(base)[0], str(tmp_path / "adapters"))
+    assert {k for k, _ in tree_flatten(rebuilt.parameters()) if ".lora_" in k} == adapters
+
+
+def test_lora_keys_naming_no_layer_is_one_line(base):
+    from mlx_lm.utils import load_model
+    with pytest.raises(ConfigError) as e:
+        apply_fine_tune(load_model(base)[0], lora_config(base, lora_keys="self_attn.q_proj, self_attn.x_proj"))
+    assert "lora-keys: no layer 'self_attn.x_proj' in the model's blocks" in str(e.value)
+    assert "self_attn.q_proj" in str(e.value) and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("strategy, options", [
     ("diloco", {"sync_every": 4}), ("diloco", {"sync_every": 4, "fragments": 2}), ("fedavg", {"sync_every": 4}),
     ("ddp", {}), ("sparta", {"fraction": 0.1}), ("sparta-diloco", {"sync_every": 4}), ("demo", {})])

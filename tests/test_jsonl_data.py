@@ -170,3 +170,61 @@ def test_cli_says_one_line_and_writes_nothing(tmp_path, model_dir):
     assert out.stderr.strip().splitlines() == [f"mlx-diloco: error: {folder / 'valid.jsonl'} line 4 is not JSON (Expecting value); "
                                                "write one JSON object a line, e.g. {\"text\": \"...\"}"]
     assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
+
+
+def test_a_shard_holds_a_workers_whole_examples_as_it_would_read_them(tmp_path, model_dir):
+    from mlx_diloco.data.datasets import load_shard, write_shard
+    data = prepare(str(data_folder(tmp_path, "chat")), 64, 0, str(model_dir), mask_prompt=True, **QUIET)
+    for w in range(3):  # 40 examples: shards of 14, 13 and 13
+        shard = load_shard(write_shard(data, w, 3, tmp_path / "shards" / f"worker-{w}"))
+        assert shard.masked_targets and shard.is_shard and shard.vocab_size == data.vocab_size
+        assert len(shard.train) == len(range(w, 40, 3)) and shard.tokens_per_example() == 64
+        assert (shard.tokenizer_dir / "tokenizer_config.json").read_text() == \
+            (model_dir / "tokenizer_config.json").read_text()  # with its chat template
+        read = ShardSampler(len(data.train), w, 3, seed=5)
+        shipped = ShardSampler(len(shard.train), w, 3, seed=5, is_shard=True)
+        for _ in range(6):  # batches across epochs (a shard reshuffles at each)
+            for ours, theirs in zip(data.train.get(read.next_indices(4)), shard.train.get(shipped.next_indices(4))):
+                np.testing.assert_array_equal(ours, theirs)
+        for ours, theirs in zip(data.eval_batches(4, 2), shard.eval_batches(4, 2)):
+            np.testing.assert_array_equal(ours, theirs)
+
+
+def test_worker_processes_trained_from_shards_evaluate_as_sim(tmp_path, model_dir):
+    """Two `mlx-diloco worker` processes over MLX's ring, each given its shard as an agent gives it,
+    against the simulator reading the data itself: the same eval losses."""
+    import os
+    import subprocess
+    import sys
+    from mlx_diloco.cluster.launcher import cut_shards
+    from mlx_diloco.training.processes import free_ports
+    from mlx_diloco.worker_job import WorkerJob
+    config = TrainConfig.from_dict(dict(model=str(model_dir), data=str(data_folder(tmp_path, "completions")),
+                                        seq_len=64, batch_size=4, workers=2, steps=8, sync_every=4,
+                                        eval_batches=2, lr=3e-3, warmup=0, mask_prompt=True, compress="fp32"))
+    Run(config, tmp_path / "sim", SimCommunicator(2), **QUIET).train()
+    cut_shards(config, 2, tmp_path / "shards", **QUIET)
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
+    procs = []
+    for rank in range(2):
+        job = tmp_path / f"job-{rank}.json"
+        WorkerJob(config.to_dict(), str(tmp_path / "ring"), data_dir=str(tmp_path / "shards" / f"worker-{rank}"),
+                  num_shards=2).write(job)
+        procs.append(subprocess.Popen([sys.executable, "-m", "mlx_diloco", "worker", "--job", str(job)],
+                                      env={**os.environ, "MLX_RANK": str(rank),
+                                           "MLX_HOSTFILE": str(hostfile)},
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for p in procs:
+        out = p.communicate(timeout=300)[0]
+        assert p.returncode == 0, out[-2000:]
+    losses = lambda run: [json.loads(row)["eval_loss"] for row in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses("sim")) == 3 and losses("ring") == pytest.approx(losses("sim"), rel=1e-5)
+
+
+def test_examples_given_one_batch_at_a_time_are_not_cut_into_shards(tmp_path):
+    from mlx_diloco.data.datasets import BatchStream, Dataset, write_shard
+    with pytest.raises(ConfigError, match="^BatchStream examples cannot be cut into shards for the workers; put "
+                                          "the data on every machine and pass --data-on-workers$"):
+        write_shard(Dataset(BatchStream([]), BatchStream([])), 0, 2, tmp_path / "shard")
+    assert not (tmp_path / "shard").exists()  # nothing half-written

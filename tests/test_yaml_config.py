@@ -9,8 +9,7 @@ import pytest
 from conftest import run_cli
 from mlx_diloco.config import ConfigError, TrainConfig
 
-# mlx-lm's examples/lora_config.yaml as a user keeps it (its comments dropped), but for
-# lora_parameters.keys, which this version has no option for (test_refusals).
+# mlx-lm's examples/lora_config.yaml as a user keeps it (its comments dropped).
 MLX_LM_EXAMPLE = """\
 model: "mlx_model"
 train: true
@@ -34,6 +33,7 @@ test_batches: 100
 max_seq_length: 2048
 grad_checkpoint: false
 lora_parameters:
+  keys: ["self_attn.q_proj", "self_attn.v_proj"]
   rank: 8
   scale: 20.0
   dropout: 0.0
@@ -53,6 +53,7 @@ def test_mlx_lm_example_config_maps_to_ours(tmp_path, capsys):
     assert (c.steps, c.lr, c.seq_len, c.eval_every, c.eval_batches) == (1000, 1e-5, 2048, 200, 25)
     assert isinstance(c.lr, float)  # YAML 1.1 reads 1e-5 as a string; mlx-lm's loader as a number
     assert (c.fine_tune_type, c.num_layers, c.lora_rank, c.lora_scale, c.lora_dropout) == ("lora", 16, 8, 20.0, 0.0)
+    assert c.lora_keys == "self_attn.q_proj,self_attn.v_proj"  # lora_parameters.keys, a list there
     assert c.weight_decay == TrainConfig().weight_decay and c.strategy_options == {}  # adamw: ours
     notes = capsys.readouterr().err.splitlines()
     ignored = [line.split(": ")[2].split()[0] for line in notes]  # 'note: PATH: KEY is ignored: how'
@@ -86,6 +87,13 @@ def test_optimizer_adam_is_adamw_without_weight_decay(tmp_path):
     assert (c.beta1, c.beta2, c.weight_decay) == (0.9, 0.98, 0.05)
 
 
+def test_loggers_pass_through(tmp_path):
+    """report_to and project_name (issue 23, item 6) are ours too; null, mlx-lm's default, is none."""
+    c = config_of(tmp_path, "report_to: wandb,swanlab\nproject_name: my-lora\n")
+    assert (c.report_to, c.project_name, c.reporters()) == ("wandb,swanlab", "my-lora", ["wandb", "swanlab"])
+    assert config_of(tmp_path, "report_to: null\nproject_name: null\n") == TrainConfig()
+
+
 def test_mask_prompt_maps(tmp_path):
     """mask_prompt is issue 23's data option (item 1): kept under its name."""
     assert config_of(tmp_path, "mask_prompt: true\n").mask_prompt is True
@@ -103,8 +111,9 @@ def test_mask_prompt_maps(tmp_path):
     ("val_batches: -1\n", "val_batches -1 (the whole validation set) is not supported here"),
     ("iters: 100\nsteps: 200\n", "iters and steps both set steps; keep one"),
     ("steps: 200\niters: 100\n", "steps and iters both set steps; keep one"),
-    ("lora_parameters:\n  rank: 8\n  keys: [self_attn.q_proj]\n",
-     "mlx-lm's lora_parameters.keys has no counterpart (lora_keys) in this version; remove it"),
+    ("lora_parameters:\n  rank: 8\n  keys: self_attn.q_proj\n",
+     "lora_parameters.keys must be a list of layer paths in a block, e.g. [self_attn.q_proj, self_attn.v_proj]"),
+    ("report_to: tensorboard\n", "report-to: no logger 'tensorboard'; choose from wandb, swanlab"),
     ("lora_parameters: 8\n", "lora_parameters must hold rank, scale, dropout, keys"),
     ("iters: 1e3\n", "steps must be a whole number, not 1000.0"),  # this project's type check, on the new name
     ("- iters: 10\n", "must hold 'key: value' lines"),

@@ -322,29 +322,45 @@ def prepare_fashion_mnist(folder: Path) -> Dataset:
 # ---------------------------------------------------------------- shards shipped to cluster workers
 
 def write_shard(data: Dataset, worker: int, num_workers: int, folder: Path) -> Path:
-    """Write worker `worker`'s shard (its train examples, in shard order), the held-out split and the
-    tokenizer into `folder`: everything a cluster worker needs, so the corpus stays on the launcher."""
-    if not isinstance(data.train, TokenExamples):
-        raise ConfigError("only text datasets can be shipped to workers; for fashion-mnist install "
-                          "dataset-fashion-mnist on every machine and pass --data-on-workers")
-    folder.mkdir(parents=True, exist_ok=True)
+    """Write worker `worker`'s shard (its train examples, in shard order), the held-out split, the
+    tokenizer and what the run needs to know of them (masked targets) into `folder`: everything a
+    cluster worker needs, so the corpus stays on the launcher. Text ships as windows of tokens; examples
+    given as arrays (JSONL's padded inputs and targets, Fashion-MNIST, .npz) as those arrays."""
+    if not isinstance(data.train, (TokenExamples, ArrayExamples)):
+        raise ConfigError(f"{type(data.train).__name__} examples cannot be cut into shards for the workers; "
+                          "put the data on every machine and pass --data-on-workers")
     ids = shard_indices(len(data.train), worker, num_workers)
-    np.save(folder / "train.npy", np.ascontiguousarray(data.train.windows(ids)))
-    np.save(folder / "val.npy", np.ascontiguousarray(data.val.windows(range(len(data.val)))))
-    shutil.copytree(data.tokenizer_dir, folder / "tokenizer", dirs_exist_ok=True)
+    if isinstance(data.train, TokenExamples):
+        arrays = {"train": data.train.windows(ids), "val": data.val.windows(range(len(data.val)))}
+    else:
+        (x, y), (val_x, val_y) = data.train.get(ids), data.val.get(np.arange(len(data.val)))
+        arrays = {"train_inputs": x, "train_targets": y, "val_inputs": val_x, "val_targets": val_y}
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, array in arrays.items():
+        np.save(folder / f"{name}.npy", np.ascontiguousarray(array))
+    if data.tokenizer_dir:
+        shutil.copytree(data.tokenizer_dir, folder / "tokenizer", dirs_exist_ok=True)
     (folder / "meta.json").write_text(json.dumps({"worker": worker, "num_workers": num_workers,
-                                                  "vocab_size": data.vocab_size}))
+                                                  "vocab_size": data.vocab_size,
+                                                  "masked_targets": data.masked_targets}))
     return folder
 
 
 def load_shard(folder: Path) -> Dataset:
+    """The shard write_shard wrote into `folder`, its examples memory-mapped."""
     folder = Path(folder)
     if not (folder / "meta.json").exists():
         raise ConfigError(f"{folder} is not a shard folder (no meta.json)")
     meta = json.loads((folder / "meta.json").read_text())
-    train = WindowExamples(np.load(folder / "train.npy", mmap_mode="r"))
-    val = WindowExamples(np.load(folder / "val.npy", mmap_mode="r"))
-    return Dataset(train, val, folder / "tokenizer", meta["vocab_size"], is_shard=True)
+    load = lambda name: np.load(folder / f"{name}.npy", mmap_mode="r")
+    if (folder / "train.npy").exists():
+        train, val = WindowExamples(load("train")), WindowExamples(load("val"))
+    else:
+        train = ArrayExamples(load("train_inputs"), load("train_targets"))
+        val = ArrayExamples(load("val_inputs"), load("val_targets"))
+    tokenizer = folder / "tokenizer" if (folder / "tokenizer").is_dir() else None
+    return Dataset(train, val, tokenizer, meta["vocab_size"], is_shard=True,
+                   masked_targets=meta.get("masked_targets", False))
 
 
 def prepare_arrays(path: Path) -> Dataset:

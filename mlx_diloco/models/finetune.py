@@ -1,9 +1,9 @@
 """Fine-tuning types, as mlx-lm names them (config: fine-tune-type, num-layers, lora-rank,
-lora-scale, lora-dropout):
+lora-scale, lora-dropout, lora-keys):
 
     full        every weight trains (the default, and what pretraining does)
-    lora, dora  the base frozen; adapters on the linear layers of the last num-layers blocks,
-                made by mlx-lm's own `linear_to_lora_layers`. A quantized base (QLoRA) stays as
+    lora, dora  the base frozen; adapters on the linear layers of the last num-layers blocks
+                (lora-keys: only those named), made by mlx-lm's own `linear_to_lora_layers`. A quantized base (QLoRA) stays as
                 it is: only its adapters train.
 
 The run trains and its strategy exchanges `model.trainable_parameters()`: with adapters, those
@@ -22,8 +22,16 @@ ADAPTER_TYPES = ("lora", "dora")
 
 
 def lora_parameters(config) -> dict:
-    """mlx-lm's `lora_parameters` (what linear_to_lora_layers takes)."""
-    return {"rank": config.lora_rank, "scale": config.lora_scale, "dropout": config.lora_dropout}
+    """mlx-lm's `lora_parameters` (what linear_to_lora_layers takes): "keys", the layers' paths in
+    a block, only when lora-keys names them (without it, mlx-lm takes every linear layer)."""
+    parameters = {"rank": config.lora_rank, "scale": config.lora_scale, "dropout": config.lora_dropout}
+    if keys := lora_keys(config):
+        parameters["keys"] = keys
+    return parameters
+
+
+def lora_keys(config) -> list:
+    return [key.strip() for key in config.lora_keys.split(",") if key.strip()]
 
 
 def adapter_config(config) -> dict:
@@ -77,11 +85,24 @@ def apply_fine_tune(model: nn.Module, config) -> nn.Module:
     check_num_layers(config, len(layers))
     from mlx_lm.tuner.utils import linear_to_lora_layers
     model.freeze()  # the base; the adapters made next are trainable
+    check_lora_keys(config, model)
     linear_to_lora_layers(model, config.num_layers, lora_parameters(config), use_dora=kind == "dora")
     if not tree_flatten(model.trainable_parameters()):
         raise ConfigError(f"fine-tune-type {kind}: the model's blocks have no linear layers to put adapters on; "
                           "use --fine-tune-type full")
     return model
+
+
+def check_lora_keys(config, model: nn.Module):
+    """Each lora-keys path names a layer of a block (or of the model, as mlx-lm also allows):
+    mlx-lm would skip a misspelled one silently."""
+    names = {name for name, _ in model.layers[-1].named_modules()} | {name for name, _ in model.named_modules()}
+    for key in lora_keys(config):
+        if key not in names:
+            linears = sorted(name for name, m in model.layers[-1].named_modules()
+                             if isinstance(m, (nn.Linear, nn.QuantizedLinear)))
+            raise ConfigError(f"lora-keys: no layer '{key}' in the model's blocks; name layers as paths in a block, "
+                              f"e.g. {','.join(linears[:2])} (its linear layers: {', '.join(linears)})")
 
 
 def trainable_count(model: nn.Module) -> int:

@@ -1,12 +1,14 @@
 """Who hears what a run reports (mlx-lm's TrainingCallback shape, plus exchanges): the metrics
-files, the progress bar, the agent's progress file, and any logger a user passes to
-`Run(callbacks=...)` or `Trainer.fit(callbacks=...)`. Each report is a dict of plain numbers.
+files, the progress bar, the agent's progress file, the loggers of report-to (wandb, swanlab,
+through mlx-lm's own callbacks), and any logger a user passes to `Run(callbacks=...)` or
+`Trainer.fit(callbacks=...)`. Each report is a dict of plain numbers.
 
     class Printer(TrainingCallback):
         def on_val_loss_report(self, info):
             print(info["step"], info["eval_loss"])
 """
 
+import importlib.util
 import json
 import sys
 import time
@@ -15,6 +17,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..atomic import atomic_write_text
+from ..options import ConfigError
 from .metrics import MetricsLog, human_bytes
 
 
@@ -98,3 +101,45 @@ class ProgressFile(TrainingCallback):
         atomic_write_text(self.path, json.dumps({
             "step": info["step"], "steps": info["steps"], "loss": info["loss"], "tokens_per_s": info["tokens_per_s"],
             "sync_s": info["sync_s"], "bytes_sent": info["bytes_sent"], "time": time.time()}), durable=False)
+
+
+class Loggers(TrainingCallback):
+    """report-to's loggers (wandb, swanlab): mlx-lm's own callbacks (`get_reporting_callbacks`), fed
+    our reports in their keys (`mlx_lm_train_info`, `mlx_lm_val_info`). The logger's run is named
+    after the run folder and keeps its files there, as mlx_lm.lora's does after --adapter-path."""
+
+    def __init__(self, config, run_dir: Path):
+        from mlx_lm.tuner.callbacks import get_reporting_callbacks
+        self.logger = get_reporting_callbacks(config.report_to, project_name=config.project_name or None,
+                                              log_dir=str(run_dir), config=config.to_dict())
+
+    def on_train_loss_report(self, info):
+        self.logger.on_train_loss_report(mlx_lm_train_info(info))
+
+    def on_val_loss_report(self, info):
+        self.logger.on_val_loss_report(mlx_lm_val_info(info))
+
+
+def check_loggers(config):
+    """Before the run starts: report-to's packages are installed (optional extras), or one line."""
+    for name in config.reporters():
+        if importlib.util.find_spec(name) is None:
+            raise ConfigError(f"report-to {name}: the {name} package is not installed; "
+                              f"pip install {name} (or drop --report-to {name})")
+
+
+def mlx_lm_train_info(info: dict) -> dict:
+    """A train report in mlx-lm's keys (tuner/trainer.py's train_info): the step as its iteration,
+    the whole job's tokens per second; ours beside them."""
+    return {"iteration": info["step"], "train_loss": info["loss"], "tokens_per_second": info["job_tokens_per_s"],
+            "sync_s": info["sync_s"], "bytes_sent": info["bytes_sent"]}
+
+
+def mlx_lm_val_info(row: dict) -> dict:
+    """An evaluation (a metrics row) in mlx-lm's keys (val_info, and train_info's trained_tokens and
+    peak_memory in GB): the global model's loss as val_loss; of ours, the numbers a chart can show
+    (not the per-worker lists, nor None)."""
+    info = {"iteration": row["step"], "val_loss": row["eval_loss"], "trained_tokens": row.get("tokens"),
+            "peak_memory": row["peak_memory_bytes"] / 1e9}
+    info.update({key: row[key] for key in ("bytes_sent_per_worker", "utilisation", "modelled_time_s", "wall_s")})
+    return {key: value for key, value in info.items() if value is not None}

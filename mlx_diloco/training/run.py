@@ -30,7 +30,7 @@ from ..models.precision import to_bf16
 from ..models.zoo import count_parameters
 from ..run_folder import check_new_run_dir, latest_step
 from . import checkpoint
-from .callbacks import MetricsFile, ProgressBar, ProgressFile
+from .callbacks import Loggers, MetricsFile, ProgressBar, ProgressFile, check_loggers
 from .metrics import MetricsLog
 from .pacing import Pacing
 from .resolve import Parts, parts_from_config, resolve, saved_config
@@ -104,6 +104,8 @@ class Run:
             raise ConfigError(f"the job has {comm.num_workers} workers but the config says {config.workers}")
         if resolved is None:  # the caller's strategy (the API): checked against the config here
             config.check_strategy(parts.strategy)
+        if reporter:  # report-to's packages, before any model or data is loaded
+            check_loggers(config)
         parts = parts or parts_from_config(resolved, log, place.shard_dir)
         self.spec, self.data, model = parts.spec, parts.data, parts.model
         convert_model(model, config)
@@ -157,13 +159,15 @@ class Run:
             shutil.copytree(self.data.tokenizer_dir, self.run_dir / "tokenizer", dirs_exist_ok=True)
 
     def _own_callbacks(self, resume: bool) -> list:
-        """The reporter writes the metrics files and shows a progress bar; on a cluster, each
-        worker's agent reads its progress file."""
+        """The reporter writes the metrics files, shows a progress bar and feeds report-to's
+        loggers; on a cluster, each worker's agent reads its progress file."""
         own = []
         if self.reporter:
             own += [MetricsFile(self.run_dir, exchanges=bool(self.strategy.sync_every),
                                 resumed_at=self.steps_done if resume else None),
                     ProgressBar(f"{self.config.strategy} x{self.config.workers}")]
+            if self.config.report_to:
+                own.append(Loggers(self.config, self.run_dir))
         if self.place.progress_path:
             own.append(ProgressFile(self.place.progress_path))
         return own
