@@ -51,8 +51,9 @@ def test_a_composite_checkpoints_each_part_resumes_and_reads_its_global_model_ba
     whole = run.train()
     Run(config, tmp_path / "cut", SimCommunicator(2), log=lambda m: None).train(stop_after=6)
     resumed = Run(None, tmp_path / "cut", SimCommunicator(2), resume=True, log=lambda m: None).train()
-    # not to the last bit: the tree before the composite resumed this run at 6.1341562 against 6.1341577 too
-    assert resumed["final_eval_loss"] == pytest.approx(whole["final_eval_loss"], rel=1e-5)
+    # to the last bit: SPARTA's indices walk the parameters in the tree's order, which a resumed run
+    # keeps (before, it took the checkpoint's sorted order and averaged other values: 6.1341562 vs 6.1341577)
+    assert resumed["final_eval_loss"] == whole["final_eval_loss"]
     state = run.strategy.state()
     assert set(state) == {"sparta", "diloco"} and "fragments" in state["diloco"]
     arrays = {"workers": {"params": run.workers.params}, "strategy": state}

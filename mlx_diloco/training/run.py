@@ -75,6 +75,16 @@ def convert_model(model, config: TrainConfig):
                           "drop --grad-checkpoint")
 
 
+def in_order_of(tree, saved):
+    """`saved`, its dicts' keys in the order `tree` has them (a checkpoint reads back sorted)."""
+    if isinstance(saved, dict) and isinstance(tree, dict):
+        keys = [k for k in tree if k in saved] + [k for k in saved if k not in tree]
+        return {k: in_order_of(tree.get(k), saved[k]) for k in keys}
+    if isinstance(saved, (list, tuple)) and isinstance(tree, (list, tuple)) and len(saved) == len(tree):
+        return type(saved)(in_order_of(t, v) for t, v in zip(tree, saved))
+    return saved
+
+
 @dataclass
 class Tick:
     """One tick's inner step, as `Run.end_step` takes it."""
@@ -345,8 +355,10 @@ class Run:
 
     def load_state(self, arrays: dict, meta: dict):
         self.steps_done, self.compute_s = meta["step"], meta["compute_s"]
-        self.workers.params = arrays["workers"]["params"]
-        self.workers.optimizer.state = arrays["workers"]["inner"]
+        # In the order of the trees they replace: a checkpoint reads back with its keys sorted, and
+        # whatever walks a tree in order (SPARTA's flat indices) must find the same parameters.
+        self.workers.params = in_order_of(self.workers.params, arrays["workers"]["params"])
+        self.workers.optimizer.state = in_order_of(self.workers.optimizer.state, arrays["workers"]["inner"])
         self.strategy.load_state(arrays.get("strategy", {}))
         for sampler, cursor in zip(self.samplers, meta["cursors"]):
             sampler.load_state(cursor)
