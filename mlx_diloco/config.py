@@ -2,15 +2,17 @@
 help (`option`): the command line's flags, the Python API's arguments and `plan`'s are derived
 from these fields. Checked on the way in: names, types and ranges of the config's own keys.
 
-Below it: options.py (errors, typed values, did-you-mean), exchange/network.py and speeds.py
-(which parse the link and the worker speeds). It imports nothing above them: every other key of a
-flat config is a strategy option, which the strategy checks where it is built
-(training/resolve.py's `resolve`, which turns a config into the run's config, strategy and model spec)."""
+Below it: options.py (errors, typed values, did-you-mean), exchange/network.py, speeds.py and
+membership.py (which parse the link, the worker speeds and the membership schedule). It imports
+nothing above them: every other key of a flat config is a strategy option, which the strategy
+checks where it is built (training/resolve.py's `resolve`, which turns a config into the run's
+config, strategy and model spec)."""
 
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from .exchange.network import parse_link
+from .membership import Schedule, check_strategy as check_membership
 from .mlx_lm_config import read_yaml_config
 from .options import ConfigError, from_dict, option, read_json  # ConfigError: most callers import it from here
 from .speeds import Speeds
@@ -26,7 +28,8 @@ DEFAULT_MAX_SEQ_LEN = 1024  # what seq-len 0 stands for at most (a model folder 
 @dataclass
 class TrainConfig:
     # What to train on
-    model: str = option("small", "model preset name (see models/), a preset .json file, or an mlx-lm model folder")
+    model: str = option("small", "model preset name (see models/), a preset .json file, an mlx-lm model folder, "
+                                 "or a Hugging Face model ORG/NAME (this machine's Hugging Face cache)")
     data: str = option("shakespeare", "'shakespeare' (embedded), 'fashion-mnist', a text file, a folder "
                                       "of .txt files, or mlx-lm's JSONL: a .jsonl file or a folder with "
                                       "train.jsonl and valid.jsonl (docs/data.md)")
@@ -70,6 +73,9 @@ class TrainConfig:
                                     "(simulates a mixed cluster)")
     speed_policy: str = option("fixed", "with worker speeds: fixed (H steps each; fast workers wait) or time "
                                         "(each worker takes the steps that fit a round; speeds.py)")
+    membership: str = option("", "workers leaving and joining mid-run, STEP:WORKERS pairs, e.g. 0:4,300:3,600:4: "
+                                 "a leaver's round is lost, a joiner starts from the global model at the next "
+                                 "sync (membership.py; '': fixed)")
     vectorize: bool = option(True, "train simulated workers together with mx.vmap (--no-vectorize: one after another)")
     loss: str = option("", "loss function 'package.module:function' taking (model, x, y) (default: cross-entropy)")
     # Memory (issue 11): what the replicas are stored and computed in
@@ -130,7 +136,9 @@ class TrainConfig:
     def check_strategy(self, strategy):
         """What the config asks of its strategy (built from it: training/resolve.py): speed-policy
         time paces workers between syncs, so the strategy must exchange nothing between them, and
-        every worker must step in a round."""
+        every worker must step in a round. A membership schedule (membership.py) needs such a strategy too."""
+        if Schedule.of(self):
+            check_membership(strategy)
         if self.speed_policy != "time":
             return
         if not strategy.steps_can_differ:
@@ -163,6 +171,7 @@ class TrainConfig:
             need(getattr(self, key) in PRECISIONS,
                  f"{key.replace('_', '-')} must be one of {', '.join(PRECISIONS)} (got '{getattr(self, key)}')")
         Speeds.of(self)  # the worker speeds and their policy
+        Schedule.of(self)  # the membership schedule
         parse_link(self.link)  # a preset or 'BW[/LATENCY]'
         need(self.step_time >= 0, f"step-time must be >= 0 seconds, 0 to measure it (got {self.step_time})")
         need(self.memory_limit >= 0, f"memory-limit must be >= 0 GB, 0 for MLX's default (got {self.memory_limit})")

@@ -44,20 +44,23 @@ def report() -> list:
 
 def preset_lines() -> list:
     """Which model presets one worker can train here (plan's memory estimate; language models at
-    batch 4 x 512 tokens, image models at batch 4)."""
+    batch 4 x 512 tokens, image models at batch 4; a quantized preset's LoRA adapters)."""
     from .config import TrainConfig
-    from .memory import GB, MemoryOptions, estimate, flags, make_it_fit, model_params, model_shape
-    from .models.zoo import preset_names
+    from .memory import GB, MemoryOptions, estimate, flags, make_it_fit, trained_shape
+    from .models.zoo import load_spec, preset_names
     from .strategies import make_strategy
     budget = hostinfo.training_memory()
     strategy = make_strategy(TrainConfig.strategy, {})  # sim's, with its defaults
     as_is, changed, too_large = [], [], []
     for preset in preset_names():
-        spec, n = model_params(preset)
-        name = preset if spec.is_language_model else f"{preset} (images)"
-        config = TrainConfig(batch_size=4, seq_len=min(spec.context_length, 512) if spec.is_language_model else 0)
+        spec = load_spec(preset)
+        quantized = "quantization" in spec.params  # its packed weights cannot train: adapters only (QLoRA)
+        name = preset + (" (images)" if not spec.is_language_model else " (LoRA)" if quantized else "")
+        config = TrainConfig(model=preset, batch_size=4, fine_tune_type="lora" if quantized else "full",
+                             num_layers=min(spec.num_blocks, 16) if quantized else 16,
+                             seq_len=min(spec.context_length, 512) if spec.is_language_model else 0)
         o = MemoryOptions.of(config, strategy)
-        shape = model_shape(spec.params, n)
+        _, shape = trained_shape(config)
         fix = make_it_fit(shape, o, budget)
         if fix == o:
             as_is.append(name)

@@ -7,7 +7,7 @@ import mlx.core as mx
 
 from .config import ConfigError, TrainConfig
 from .models import adapters
-from .models.zoo import ModelSpec, build_model
+from .models.zoo import ModelSpec, build_model, load_spec
 from .strategies import make_strategy
 from .training import checkpoint
 
@@ -17,8 +17,8 @@ def load_trained_model(run_dir):
     run_dir = Path(run_dir)
     arrays, meta = checkpoint.load(run_dir)
     spec = ModelSpec(meta["config"]["model"], meta["model_preset"])
-    if spec.type == "mlx-lm":
-        spec.path = Path(meta["config"]["model"])
+    if spec.type == "mlx-lm":  # the base model's folder on this machine (a hub name: in its own cache)
+        spec.path = load_spec(meta["config"]["model"]).path
     model = build_model(spec)
     model.update(global_parameters(model, arrays, meta))
     mx.eval(model.parameters())

@@ -14,11 +14,13 @@ SHAKESPEARE_PROMPT = "ROMEO:"  # how a speech of the embedded corpus begins
 
 
 def default_prompt(run_dir) -> str:
-    """The prompt when none is given: a speaker's name for a run on the embedded Shakespeare;
-    for any other corpus none (the model starts a text of its own)."""
-    config = Path(run_dir) / "config.json"
-    data = json.loads(config.read_text()).get("data") if config.is_file() else None
-    return SHAKESPEARE_PROMPT if data == EMBEDDED else ""
+    """The prompt when none is given: a speaker's name for a run on the embedded Shakespeare; the
+    first chat's last user message for a run on chat data; for any other corpus none (the model
+    starts a text of its own)."""
+    if run_config(run_dir).get("data") == EMBEDDED:
+        return SHAKESPEARE_PROMPT
+    users = [m.get("content", "") for m in first_record(run_dir).get("messages", []) if m.get("role") == "user"]
+    return users[-1] if users else ""
 
 
 def generate(run_dir, prompt: str, max_tokens: int = 200, temperature: float = 0.8, seed: int = 0):
@@ -48,17 +50,24 @@ def run_config(run_dir) -> dict:
 
 def trained_on_chat(run_dir) -> bool:
     """Whether the run trained on {"messages"} records (mlx-lm's chat format): its data's first
-    record says so (a .jsonl file, or a folder's train.jsonl). False when the data is not here."""
+    record says so. False when the data is not here."""
+    return "messages" in first_record(run_dir)
+
+
+def first_record(run_dir) -> dict:
+    """The first record of the run's JSONL data (a .jsonl file, or a folder's train.jsonl); {} when
+    the data is not JSONL, or not here."""
     data = run_config(run_dir).get("data")
     path = Path(data) / "train.jsonl" if data and Path(data).is_dir() else Path(data or "")
     if path.suffix != ".jsonl" or not path.is_file():
-        return False
+        return {}
     with open(path) as f:
         first = next((line for line in f if line.strip()), "{}")
     try:
-        return "messages" in json.loads(first)
+        record = json.loads(first)
     except json.JSONDecodeError:
-        return False
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def chat_prompt(tok, prompt: str) -> list:

@@ -13,6 +13,8 @@
     the sync                    one fragment's pseudo-gradient buffers (1/P of the model with
                                 Streaming DiLoCo's P fragments): the peak of a large model with P=1
     the evaluation              the global model in the training precision and a forward pass
+    the model as built          before the first evaluation casts it (a random preset: fp32), with
+                                that evaluation's forward pass
 
 The activation constants are fitted to MLX's measured peak memory (`bench/memory.py`, which
 prints the estimate beside the measurement). MLX-free at import: `plan` prints these estimates,
@@ -41,6 +43,7 @@ class Shape:
     attention_copies: int = 1  # attention rows kept per token: 1 with mx.fast's attention, 3 with plain ops (our GPT)
     trainable: int = None    # parameters that train, when not all of them (adapters: models/finetune.py)
     frozen_bytes: dict = None  # the frozen base's bytes by training precision ({"fp32": ..., "bf16": ...})
+    built_bytes: int = 0     # the model's bytes as built or loaded, before its cast (a random preset: fp32)
 
 
 def model_shape(params: dict, parameters: int) -> Shape:
@@ -121,11 +124,17 @@ def estimate(shape: Shape, o: MemoryOptions, workers: int = 1) -> dict:
         "sync": int((3.5 * workers + 0.5 * o.offload_outer) * fragment * 4) if periodic else 0,
         # evaluating the global model: a copy of it in the training precision, and a forward pass
         "evaluation": (P * w if periodic else 0) + 12 * logits,
+        # the model as built (a random preset: fp32) stays until the first evaluation casts it to
+        # the training precision (measured: llama-1b, LoRA in bf16, 2 x 256: 4.65 GB then, its fp32
+        # weights and a forward pass; 3.2 GB at most after, checkpointed)
+        "as built": shape.built_bytes,
     }
     # The sync and the evaluations happen between steps: the gradients and activations are gone.
-    step_peak = sum(v for k, v in parts.items() if k not in ("sync", "evaluation"))
+    step_peak = sum(v for k, v in parts.items() if k not in ("sync", "evaluation", "as built"))
     between_steps = step_peak - parts["gradients"] - parts["activations"]
-    return {**parts, "total": max(step_peak, between_steps + parts["sync"], between_steps + parts["evaluation"])}
+    first_evaluation = RUNTIME_BYTES + parts["as built"] + 12 * logits
+    return {**parts, "total": max(step_peak, between_steps + parts["sync"], between_steps + parts["evaluation"],
+                                  first_evaluation)}
 
 
 def macs_it_fits(total_bytes: float) -> list:
@@ -171,23 +180,21 @@ def flags(old: MemoryOptions, new: MemoryOptions) -> str:
     return " ".join(out)
 
 
-def model_params(name: str):
-    """(preset spec, parameter count), without allocating the weights (MLX imported on call)."""
-    from .models.zoo import build_model, count_parameters, load_spec
-    spec = load_spec(name)
-    return spec, count_parameters(build_model(spec, lazy=True))
-
-
 def trained_shape(config):
     """(preset spec, Shape) of the model a config trains, its fine-tune type applied (adapters: what
-    trains, and the frozen base's bytes), without allocating the weights (MLX imported on call)."""
-    from .models.finetune import ADAPTER_TYPES, apply_fine_tune, frozen_bytes, trainable_count
+    trains, and the frozen base's bytes; a quantized base refused for full fine-tuning), without
+    allocating the weights (MLX imported on call)."""
+    from mlx.utils import tree_flatten
+    from .models.finetune import ADAPTER_TYPES, apply_fine_tune, frozen_bytes, is_quantized, trainable_count
     from .models.zoo import build_model, count_parameters, load_spec
     spec = load_spec(config.model)
     model = build_model(spec, lazy=True)
-    shape = model_shape(spec.params, count_parameters(model))
+    built = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    if is_quantized(model) and spec.path is None:  # a preset: made in fp32 and packed a layer at a time (zoo.quantize)
+        built += max(4 * m.weight.size * 32 // m.bits for _, m in model.named_modules() if hasattr(m, "bits"))
+    shape = replace(model_shape(spec.params, count_parameters(model)), built_bytes=built)
+    apply_fine_tune(model, config)
     if config.fine_tune_type in ADAPTER_TYPES:
-        apply_fine_tune(model, config)
         shape = replace(shape, trainable=trainable_count(model),
                         frozen_bytes={p: frozen_bytes(model, p) for p in ("fp32", "bf16")})
     return spec, shape

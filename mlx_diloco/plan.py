@@ -60,8 +60,8 @@ def format_duration(s: float) -> str:
     return f"{s / 86400:.3g} days"
 
 
-def print_memory(model: str, config: TrainConfig, strategy) -> int:
-    """Memory of one worker training `model` with `config` and `strategy`; returns its parameter count."""
+def print_memory(model: str, config: TrainConfig, strategy):
+    """Memory of one worker training `model` with `config` and `strategy`; returns its memory.Shape."""
     spec, shape = trained_shape(replace(config, model=model))  # adapters: what trains, and the frozen base
     n = shape.parameters
     config = replace(config, seq_len=config.seq_len or min(spec.context_length, DEFAULT_MAX_SEQ_LEN))
@@ -81,7 +81,7 @@ def print_memory(model: str, config: TrainConfig, strategy) -> int:
             break
     print("  " + on_this_machine(shape, o, est["total"], hostinfo.training_memory()))
     print()
-    return n
+    return shape
 
 
 def print_plan(given: dict, model: str = None, params: float = None, links: list = None, total_steps: int = None):
@@ -89,10 +89,10 @@ def print_plan(given: dict, model: str = None, params: float = None, links: list
     defaults), `model` (also its memory) or `params`, `links` (default: every preset)."""
     config = TrainConfig.from_dict({**WHAT_IF, **given, "strategy": STRATEGY})
     strategy = make_strategy(config.strategy, config.strategy_options)
-    if model:
-        n = print_memory(model, config, strategy)
-        params = params or n
-    params = params or 7e9
+    shape = print_memory(model, config, strategy) if model else None
+    adapters = shape is not None and shape.trainable is not None and not params
+    if not params:  # what a sync exchanges: what trains (with adapters, the adapters alone)
+        params = (shape.trainable if adapters else shape.parameters) if shape else 7e9
     links = [parse_link(l) for l in links] if links else list(LINKS.values())
     options, workers, step_time, H = strategy.options(), config.workers, config.step_time, strategy.sync_every
     P, tau = options["fragments"], options["overlap_steps"]
@@ -100,8 +100,14 @@ def print_plan(given: dict, model: str = None, params: float = None, links: list
     codec = get_codec(options["compress"])
     algorithm, _, payload, sent = exchange_plan(codec, int(params), workers)
     _, _, _, frag_sent = exchange_plan(codec, int(params) // P, workers)
-    print(f"model {params / 1e9:g}B parameters in {codec.name} = {human_bytes(payload)} per sync "
-          f"({payload / params:.3g} bytes/parameter); {workers} workers, {algorithm.replace('_', ' ')}: "
+    if adapters:
+        full_payload = exchange_plan(codec, shape.parameters, workers)[2]
+        what = (f"{config.fine_tune_type} adapters {params / 1e6:,.2f}M of {shape.parameters / 1e9:.3g}B parameters"
+                f" in {codec.name}: {human_bytes(payload)} per sync, {payload / full_payload:.2%} of the full model's "
+                f"{human_bytes(full_payload)}")
+    else:
+        what = f"model {params / 1e9:g}B parameters in {codec.name} = {human_bytes(payload)} per sync"
+    print(f"{what} ({payload / params:.3g} bytes/parameter); {workers} workers, {algorithm.replace('_', ' ')}: "
           f"each sends {human_bytes(sent)} per sync; step time {format_duration(step_time)}, H = {H}")
     if P > 1 or tau:
         print(f"streaming: {P} fragments, each exchange sends {human_bytes(frag_sent)} (peak), "
@@ -121,8 +127,8 @@ def print_plan(given: dict, model: str = None, params: float = None, links: list
 
 def legend(H: int, tau: int, workers: int, total_steps: int = None) -> str:
     """What the columns mean."""
-    lines = ["sync time: one exchange of the whole model; fragment: one exchange of 1/P of it (Streaming "
-             "DiLoCo, --fragments P; the whole model when P = 1)",
+    lines = ["sync time: one exchange of what trains (the whole model, or its adapters); fragment: one exchange "
+             "of 1/P of it (Streaming DiLoCo, --fragments P; all of it when P = 1)",
              "DDP util, DiLoCo util: the share of the time spent computing, with an exchange after every step "
              f"(DDP) or every H = {H} steps (DiLoCo"
              + (f"; each fragment's exchange less what {tau} overlapped steps hide)" if tau else ")")]

@@ -1,5 +1,5 @@
 """A fine-tune's output as mlx-lm reads it (issue 23, item 3): adapters that mlx_lm loads with the
-same logits as our model with them, fused by `export --fuse`, and mlx_lm's generate CLI on them."""
+same logits as our model with them, fused by `export --fuse` and by mlx_lm's fuse CLI, and mlx_lm's generate CLI on them."""
 
 import json
 import os
@@ -92,8 +92,22 @@ def test_mlx_lm_generate_cli_runs_offline_on_our_adapters(base, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
 
 
+def test_mlx_lm_fuse_cli_fuses_our_adapters_into_a_model_with_the_same_logits(base, tmp_path):
+    """mlx-lm's own `fuse` command, as a user would run it on RUN/adapters."""
+    from mlx_lm.utils import load
+    model, config = adapted_model(base, "lora", num_layers=2)
+    folder = adapters.save_adapters(tmp_path / "adapters", model.trainable_parameters(), config)
+    out = subprocess.run([sys.executable, "-m", "mlx_lm", "fuse", "--model", str(base), "--adapter-path", str(folder),
+                          "--save-path", str(tmp_path / "fused")],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, **OFFLINE})
+    assert out.returncode == 0, out.stderr[-2000:]
+    fused, _ = load(str(tmp_path / "fused"))
+    assert not any("lora" in k for k, _ in tree_flatten(fused.parameters()))
+    assert np.abs(np.array(fused(TOKENS) - model(TOKENS))).max() <= 1e-5
+
+
 def test_generate_of_a_chat_run_goes_through_the_chat_template(base, tmp_path):
-    from mlx_diloco.generate import generate, trained_on_chat
+    from mlx_diloco.generate import default_prompt, generate, trained_on_chat
     from mlx_lm.utils import load_tokenizer
     run = tmp_path / "run"
     model, config = adapted_model(base, "lora")
@@ -101,6 +115,7 @@ def test_generate_of_a_chat_run_goes_through_the_chat_template(base, tmp_path):
     (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     (run / "config.json").write_text(json.dumps({"data": str(tmp_path / "chat.jsonl"), "seq_len": 32}))
     assert trained_on_chat(run)
+    assert default_prompt(run) == "hi"  # sim's sample after a chat run: the first chat's user message
     tok = load_tokenizer(base)
     templated = tok.encode("<|user|>the question<|endoftext|><|assistant|>", add_special_tokens=False)
     greedy = "".join(generate(run, "the question", max_tokens=3, temperature=0))

@@ -241,3 +241,27 @@ def test_lora_on_chat_jsonl_through_launch_trains_like_sim(cluster, tmp_path):
     got, expected = (mx.load(str(d / "adapters" / "adapters.safetensors")) for d in (worker0, tmp_path / "sim"))
     assert_same_params({k: np.array(v) for k, v in got.items()}, {k: np.array(v) for k, v in expected.items()})
     assert final_loss(run_dir) == pytest.approx(sim_loss, rel=1e-4)
+
+
+def test_launch_refuses_a_hub_model_that_one_host_lacks_and_names_it(tmp_path):
+    """Each Mac loads a hub model from its own Hugging Face cache: the emulated hosts get their own
+    (HF_HUB_CACHE), host2's empty. The launcher asks every agent before anything starts, and its one
+    line names host2, not host1, and the fix."""
+    from conftest import run_cli
+    from test_hub import OFFLINE, REPO, hf_cache
+    hf_cache(tmp_path / "hub")
+    (tmp_path / "empty-hub").mkdir()
+    (tmp_path / "text.txt").write_text("the user asks and the assistant answers the question\n" * 200)
+    caches = {1: {"HF_HUB_CACHE": str(tmp_path / "hub")}, 2: {"HF_HUB_CACHE": str(tmp_path / "empty-hub")}}
+    cluster = EmulatedCluster(2, tmp_path / "cluster", host_env={i: {**OFFLINE, **env} for i, env in caches.items()})
+    try:
+        out = run_cli("launch", "--model", REPO, "--data", tmp_path / "text.txt", "--workers", 2, "--steps", 4,
+                      "--seq-len", 16, f"--hosts={cluster.hosts_flag}", "--run-dir", tmp_path / "run",
+                      env={**OFFLINE, "HF_HUB_CACHE": str(tmp_path / "hub"), "MLX_DILOCO_SECRET": SECRET})
+    finally:
+        cluster.close()
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip() == (
+        f"mlx-diloco: error: model {REPO} is missing on host2 (each Mac loads it from its own disk); download it "
+        f"first with `hf download {REPO}` (or `mlx_lm.generate --model {REPO}` once) on each of them, or leave them out")
+    assert not (tmp_path / "run").exists()  # refused before anything started

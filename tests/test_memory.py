@@ -235,3 +235,55 @@ def test_offload_folders_of_processes_killed_outright_are_removed(tmp_path, monk
     mine = offload_folder()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"mlx-diloco-outer-{os.getpid()}-def",
                                                                   os.path.basename(mine.name)])
+
+
+def test_plan_of_adapters_exchanges_the_adapters_and_names_their_share_of_the_model(capsys):
+    """With adapters only what trains is exchanged: plan's bytes per sync are the adapters' count
+    times the codec's bytes (fp16: 2), beside the full model's; its sync times are theirs."""
+    from mlx_diloco.exchange.codecs import get_codec
+    from mlx_diloco.exchange.comm import exchange_plan
+    from mlx_diloco.memory import trained_shape
+    from mlx_diloco.plan import print_plan
+    from mlx_diloco.training.metrics import human_bytes
+    _, shape = trained_shape(TrainConfig(model="llama-1b", fine_tune_type="lora"))
+    print_plan({"fine_tune_type": "lora", "seq_len": 512, "batch_size": 4}, model="llama-1b", links=["1gbe"])
+    out = capsys.readouterr().out
+    adapters, full = (exchange_plan(get_codec("fp16"), n, 2)[2] for n in (shape.trainable, shape.parameters))
+    assert adapters == 2 * shape.trainable and full == 2 * shape.parameters
+    assert f"{human_bytes(adapters)} per sync, {adapters / full:.2%} of the full model's {human_bytes(full)}" in out, out
+    assert "79 ms" in out.splitlines()[-3]  # 9.18 MB over 1 GbE, not 2.2 GB's 18.7 s
+
+
+def layout(model: nn.Module) -> dict:
+    """Each leaf module's class, and its arrays' shapes and dtypes."""
+    return {path: (type(m).__name__, [(k, v.shape, v.dtype) for k, v in tree_flatten(m.parameters())])
+            for path, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)}
+
+
+def test_a_quantized_preset_is_built_as_mlx_lm_loads_a_quantized_folder_and_trains_adapters_only(tmp_path):
+    """"quantization" in a preset, as in an mlx-lm folder's config.json: the model build_model
+    makes is the one mlx-lm's load_model makes of that folder. Its memory counts the unpacked
+    parameters, the packed base (4 bits and an fp32 scale and bias per 64 values) and the adapters;
+    full fine-tuning is refused, and a malformed quantization is one line."""
+    from mlx_lm.utils import load_model, save_config, save_model
+    from mlx_diloco.memory import trained_shape
+    from mlx_diloco.options import ConfigError
+    tiny = {**load_spec("llama-tiny").params, "quantization": {"group_size": 32, "bits": 4}}
+    (tmp_path / "tiny-4bit.json").write_text(json.dumps(tiny))
+    ours = build_model(load_spec(str(tmp_path / "tiny-4bit.json")))
+    save_model(tmp_path / "folder", ours)
+    save_config({**tiny, "model_type": "llama"}, tmp_path / "folder" / "config.json")
+    theirs, _ = load_model(tmp_path / "folder")
+    assert layout(ours) == layout(theirs)
+    assert {kind for kind, _ in layout(ours).values()} == {"QuantizedEmbedding", "QuantizedLinear", "RMSNorm", "RoPE"}
+
+    _, lora = trained_shape(TrainConfig(model="llama-1b", fine_tune_type="lora"))
+    _, qlora = trained_shape(TrainConfig(model="llama-1b-4bit", fine_tune_type="lora"))
+    norms = 2048 * (2 * 22 + 1)
+    assert qlora.parameters == lora.parameters and qlora.trainable == lora.trainable
+    assert qlora.frozen_bytes["fp32"] == (qlora.parameters - norms) * (4 / 8 + 2 * 4 / 64) + norms * 4
+    with pytest.raises(ConfigError, match="quantized model trains adapters only"):
+        trained_shape(TrainConfig(model="llama-1b-4bit"))
+    (tmp_path / "bad.json").write_text(json.dumps({**tiny, "quantization": {"bits": 4}}))
+    with pytest.raises(ConfigError, match=r"quantization must be as mlx-lm's config.json has it, e.g. \{\"group_size\""):
+        load_spec(str(tmp_path / "bad.json"))

@@ -27,7 +27,7 @@ import uuid
 from dataclasses import replace
 from pathlib import Path
 
-from .. import run_folder
+from .. import hub, run_folder
 from ..config import ConfigError, TrainConfig
 from ..exchange.watchdog import WATCHDOG_EXIT_MARK
 from ..worker_job import WorkerJob
@@ -130,6 +130,11 @@ class Agent:
 
     def on_has_blob(self, msg):
         return {"present": self._blob(msg["digest"]).exists()}
+
+    def on_has_model(self, msg):
+        """Whether this machine holds the model folder or cached hub model a job names (hub.py)."""
+        folder = hub.local_folder(msg["model"])
+        return {"present": folder is not None, "folder": str(folder or "")}
 
     def on_put_chunk(self, msg):
         """Chunks arrive in order; the last one is checked against the digest before it counts."""

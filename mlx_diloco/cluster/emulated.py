@@ -34,9 +34,11 @@ def can_build() -> str:
 
 
 class EmulatedCluster:
-    def __init__(self, hosts: int, folder: Path, rate: str = "", delay: str = "", max_memory: dict = None):
+    def __init__(self, hosts: int, folder: Path, rate: str = "", delay: str = "", max_memory: dict = None,
+                 host_env: dict = None):
         self.folder, self.n = Path(folder), hosts
         self.max_memory = max_memory or {}  # host -> GB its agent offers (agent --max-memory)
+        self.host_env = host_env or {}      # host -> its agent's own variables (HF_HUB_CACHE: its own model cache)
         self.folder.mkdir(parents=True, exist_ok=True)
         # The hosts share this machine's cores: give each its share of BLAS threads, as on real machines.
         threads = str(max(1, (os.cpu_count() or 1) // hosts))
@@ -65,7 +67,7 @@ class EmulatedCluster:
             ["ip", "netns", "exec", f"mdt{i}", sys.executable, "-m", "mlx_diloco", "agent", "--name", f"host{i}",
              "--port", str(PORT), "--state-dir", str(self.folder / f"host{i}"),
              *(["--max-memory", str(self.max_memory[i])] if i in self.max_memory else [])],
-            stdout=log, stderr=subprocess.STDOUT, env=self.env)
+            stdout=log, stderr=subprocess.STDOUT, env={**self.env, **self.host_env.get(i, {})})
         if wait:
             self.wait_ready(i)
 

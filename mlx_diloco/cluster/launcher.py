@@ -23,6 +23,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from .. import hub
 from ..atomic import atomic_write_text
 from ..config import ConfigError, TrainConfig
 from ..training.metrics import MetricsLog, human_bytes
@@ -115,6 +116,32 @@ def check_memory(config: TrainConfig, strategy, agents: list):
                           "or leave that machine out")
 
 
+def check_model_here(model: str):
+    """The launcher reads the model too (to tokenize the data and estimate memory): refuse, in one
+    line, when this machine lacks it, rather than download it here."""
+    if hub.names_files(model) and hub.local_folder(model) is None:
+        raise ConfigError(f"this machine (the launcher) lacks model {model}, which it reads to tokenize the data "
+                          f"and estimate memory; {hub.how_to_get(model)} here too")
+
+
+def has_model(client: AgentClient, model: str) -> bool:
+    try:
+        return client.request("has_model", model=model)["present"]
+    except AgentError:  # it stopped answering since its hello: it cannot run the job either
+        return False
+
+
+def check_model(model: str, agents: list, clients: list):
+    """Refuse, before anything starts, a job whose model folder (or cached hub model) some of the
+    machines lack: each Mac loads it from its own disk. Name every one of them, and the fix."""
+    if not hub.names_files(model):
+        return
+    lacking = [a["host"] for a, c in zip(agents, clients) if not has_model(c, model)]
+    if lacking:
+        raise ConfigError(f"model {model} is missing on {', '.join(lacking)} (each Mac loads it from its own disk); "
+                          f"{hub.how_to_get(model)} on each of them, or leave them out")
+
+
 class Launcher:
     def __init__(self, state: JobState, run_dir: Path, secret: bytes, log=print):
         self.state, self.run_dir, self.secret, self.log = state, Path(run_dir), secret, log
@@ -128,22 +155,26 @@ class Launcher:
     @classmethod
     def new(cls, config: TrainConfig, found: list, run_dir: Path, secret: bytes, options: Options, log=print):
         from ..training.resolve import resolve
+        check_model_here(config.model)
         run_dir, resolved = Path(run_dir), resolve(config)
         config = resolved.config
         if (run_dir / "launch.json").exists():
             raise ConfigError(f"{run_dir} already holds a job; pass --resume to continue it, or another --run-dir")
-        reachable, agents = [], []
+        reachable, agents, clients = [], [], []
         for f in found:  # mDNS keeps records of dead agents for minutes: skip who does not answer
             if len(reachable) == config.workers:
                 break
             try:
-                agents.append(AgentClient(f, secret).hello())
+                client = AgentClient(f, secret)
+                agents.append(client.hello())
                 reachable.append(f)
+                clients.append(client)
             except (AgentError, ConfigError) as e:  # dead, or another cluster's agent (other secret)
                 log(f"[launch] skipping {f.endpoint}: {e}")
         if len(reachable) < config.workers:
             raise ConfigError(f"{config.workers} workers wanted but {len(reachable)} agents answered; start more "
                               "agents (mlx-diloco agent), pass --hosts, or lower --workers")
+        check_model(config.model, agents, clients)
         check_memory(config, resolved.strategy, agents)
         members = [Member(f.address, f.port, worker_id=w, host=a["host"])
                    for w, (f, a) in enumerate(zip(reachable, agents))]  # start() orders the ring

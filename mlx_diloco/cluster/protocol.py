@@ -57,6 +57,7 @@ SCHEMAS = {
     "hello": {},
     "heartbeat": {},
     "has_blob": {"digest": (str,)},
+    "has_model": {"model": (str,)},
     "put_chunk": {"digest": (str,), "offset": (int,), "size": (int,), "data": (bytes,)},
     "prepare": {"job": (str,)},
     "start": {"job": (str,), "rank": (int,), "worker_id": (int,), "config": (dict,), "hostfile": (list,),

@@ -76,7 +76,7 @@ def apply_fine_tune(model: nn.Module, config) -> nn.Module:
     if kind not in ADAPTER_TYPES:
         if is_quantized(model):  # its packed weights cannot train: only the norms would
             raise ConfigError("a quantized model trains adapters only (QLoRA); pass --fine-tune-type lora "
-                              "(or dora), or a model folder that is not quantized")
+                              "(or dora), or a model (folder or preset) that is not quantized")
         return model
     layers = getattr(model, "layers", None)
     if not isinstance(layers, list) or not layers:

@@ -1,16 +1,20 @@
-"""Workers of different speeds in a run (speeds.py): which of this process's workers step at each
-tick, how long a tick counts, and, under speed-policy time on a real cluster (no speeds given),
-the speeds measured over the first round."""
+"""Which of this process's workers step at each tick: workers of different speeds (speeds.py),
+how long a tick counts, and, under speed-policy time on a real cluster (no speeds given), the
+speeds measured over the first round; or a membership schedule (membership.py): who is a member,
+how each member's pseudo-gradient counts at a sync, and who leaves or joins when."""
 
 import mlx.core as mx
 
+from ..membership import Schedule, Timeline
 from ..speeds import Speeds
 
 
 class Pacing:
     def __init__(self, config, strategy, comm, log=print):
-        self.strategy, self.comm, self.log = strategy, comm, log
+        """`strategy`: set up (a membership schedule reads its fragments' sync offsets)."""
+        self.strategy, self.comm, self.log, self.workers = strategy, comm, log, config.workers
         self.speeds = Speeds.of(config)  # None: every worker is as fast as the others
+        self.timeline = self._timeline(config, strategy)  # None: the membership is fixed
         # Time-paced without given speeds (a real cluster): measured over the first round.
         self.measuring = config.speed_policy == "time" and self.speeds is None and config.workers > 1
         if self.speeds and self.speeds.policy == "time":
@@ -22,8 +26,30 @@ class Pacing:
         weights = self.speeds.sync_weights(self.strategy.sync_every)  # every worker steps in a round
         self.strategy.sync_weights = [weights[w] for w in self.comm.local_workers]
 
+    @staticmethod
+    def _timeline(config, strategy):
+        """The membership schedule over the run's steps and the strategy's sync points (each of its
+        fragments syncs every H steps at its offset; a strategy without fragments, at multiples of H)."""
+        schedule = Schedule.of(config)
+        if schedule is None:
+            return None
+        offsets = [f.offset for f in getattr(strategy, "model_fragments", [])] or [0]
+        return Timeline(schedule, strategy.sync_every, offsets, config.steps)
+
+    def members(self, tick: int):
+        """Which local workers are members of the job at this tick (a membership schedule; tick 0:
+        at the start); None when all are."""
+        n = self.member_count(tick)
+        return None if n == self.workers else [w < n for w in self.comm.local_workers]
+
+    def member_count(self, tick: int) -> int:
+        """How many of the job's workers are members at this tick."""
+        return self.timeline.members(tick) if self.timeline else self.workers
+
     def active(self, tick: int):
         """Which local workers step at this tick; None when all do."""
+        if self.timeline:
+            return self.members(tick)
         if not self.speeds or self.speeds.policy == "fixed":
             return None
         active = self.speeds.active(tick)
@@ -33,9 +59,28 @@ class Pacing:
         """A tick's modelled duration, for a speed-1 step of `step_s` seconds."""
         return self.speeds.tick_seconds(step_s) if self.speeds else step_s
 
-    def steps_taken(self, ticks: int, workers: int) -> list:
+    def steps_taken(self, ticks: int) -> list:
         """Inner steps each of the job's workers has taken after `ticks` ticks."""
-        return self.speeds.steps_taken(ticks) if self.speeds else [ticks] * workers
+        if self.timeline:
+            return self.timeline.steps_taken(ticks)
+        return self.speeds.steps_taken(ticks) if self.speeds else [ticks] * self.workers
+
+    def weigh_sync(self, tick: int):
+        """Before the strategy's after_step: under a membership schedule, a sync at this tick weighs
+        each worker's pseudo-gradient by the inner steps it took in the window the sync covers."""
+        if self.timeline and (weights := self.timeline.sync_weights(tick)) is not None:
+            self.strategy.sync_weights = [weights[w] for w in self.comm.local_workers]
+
+    def changes_at(self, tick: int) -> list:
+        """The workers that leave or join at this tick (membership.Change)."""
+        return self.timeline.changes_at(tick) if self.timeline else []
+
+    def changes_between(self, start: int, tick: int) -> list:
+        return self.timeline.changes_between(start, tick) if self.timeline else []
+
+    def lost_steps(self, ticks: int) -> list:
+        """Each worker's inner steps lost by leaving, after `ticks` ticks."""
+        return self.timeline.lost_steps(ticks) if self.timeline else [0] * self.workers
 
     def idle_fraction(self) -> float:
         """The workers' mean share of the time spent waiting for slower ones (modelled)."""

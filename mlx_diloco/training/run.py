@@ -9,6 +9,7 @@ when they are due. `Run.train()` steps to the end.
 """
 
 import json
+import math
 import shutil
 import time
 from contextlib import contextmanager
@@ -17,12 +18,15 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
 
 from ..config import ConfigError, TrainConfig
 from ..data.datasets import BatchStream, ShardSampler, oversized_batch
 from ..exchange.comm import Communicator, NonFiniteValues
 from ..exchange.ledger import ExchangeLedger
 from ..exchange.network import parse_link
+from ..exchange.worker_axis import flatten_workers, unflatten
+from ..membership import PEER
 from ..models.adapters import ADAPTERS, save_adapters
 from ..models.checkpointing import checkpoint_blocks
 from ..models.finetune import ADAPTER_TYPES, adapter_config, apply_fine_tune, is_quantized
@@ -85,12 +89,19 @@ def in_order_of(tree, saved):
     return saved
 
 
+def mean_of_numbers(values: list) -> float:
+    """The mean of the values that are not NaN (a worker that took no step has a NaN loss); NaN if none."""
+    numbers = [v for v in values if not math.isnan(v)]
+    return sum(numbers) / len(numbers) if numbers else float("nan")
+
+
 @dataclass
 class Tick:
     """One tick's inner step, as `Run.end_step` takes it."""
     step: int                      # the job-wide step number (1-based)
     losses: mx.array = None        # each local worker's loss; None when all of them waited out the tick
     seconds: float = 0.0           # the inner step's wall time
+    members: list = None           # which local workers are members (a membership schedule); None: all
 
 
 class Run:
@@ -120,8 +131,8 @@ class Run:
         self.spec, self.data, model = parts.spec, parts.data, parts.model
         convert_model(model, config)
         self.strategy = parts.strategy.bind(comm, config.steps)
-        self.pacing = Pacing(config, self.strategy, comm, log)
         self.strategy.setup(model.trainable_parameters())
+        self.pacing = Pacing(config, self.strategy, comm, log)
         # Evaluations every outer step of a periodic strategy (else every 50 steps); checkpoints too.
         period = self.strategy.sync_every
         self.eval_every = config.eval_every or period or 50
@@ -145,7 +156,7 @@ class Run:
         self.steps_done = 0
         self.compute_s = 0.0     # measured compute time of one worker
         self._step_s = 0.0       # the last inner step's (a slow worker may wait out the first ticks)
-        self._loss_sum, self._loss_count = 0, 0  # this process's train losses since the last evaluation
+        self._loss_sum, self._loss_count = self._no_train_losses()  # each local worker's, since the last evaluation
         self.wall_start = time.time()
         self.n_params = count_parameters(model)
         if resume:
@@ -210,9 +221,10 @@ class Run:
         """The first half of `step`: the inner step of the local workers that step at this tick
         (speeds.py), timed. Until `end_step`, they hold their local parameters."""
         if self.steps_done == 0:  # the starting point of every curve
-            self.evaluate(None, self.workers.eval_each(self.eval_batches))
-        x, y = batch or self.next_batch()
+            self.evaluate(None, self._worker_losses(0))
         tick = Tick(self.steps_done + 1)
+        tick.members = self.pacing.members(tick.step)
+        x, y = batch or self.next_batch(tick.members)
         t0, wait0 = time.perf_counter(), self.comm.wait_s
         active = self.pacing.active(tick.step)
         if active is None or any(active):  # else this process's workers wait out the tick
@@ -231,36 +243,84 @@ class Run:
         self.pacing.after_tick(t, self.compute_s)
         evaluate = t % self.eval_every == 0 or t == c.steps
         # The local models are evaluated before the outer step replaces them with the global one.
-        worker_losses = self.workers.eval_each(self.eval_batches) if evaluate else None
+        worker_losses = self._worker_losses(t) if evaluate else None
+        self.pacing.weigh_sync(t)
         with self._stop_on_non_finite(t):
             self.workers.params = self.strategy.after_step(self.workers.take_params(), t)
+        self._change_membership(t)
         # With overlap, only the time its overlapped inner steps do not hide counts.
         for row in self.ledger.record(t, self.comm.drain_records(), step_s=self.compute_s / t):
             self._report("on_sync_report", row)
         if tick.losses is not None:
-            self._loss_sum, self._loss_count = self._loss_sum + tick.losses, self._loss_count + 1
+            self._add_train_losses(tick)
             self._report("on_train_loss_report", self._train_info(tick))
         if evaluate:
-            self.evaluate(self._loss_sum / self._loss_count if self._loss_count else
-                          mx.full((self.comm.n_local,), float("nan")), worker_losses)
-            self._loss_sum, self._loss_count = 0, 0
+            self.evaluate(self._loss_sum / self._loss_count, worker_losses)
+            self._loss_sum, self._loss_count = self._no_train_losses()
         if t % self.checkpoint_every == 0 or t == c.steps:
             with self._stop_on_non_finite(t):
                 self.save_checkpoint()
 
-    def next_batch(self):
+    def next_batch(self, members=None):
+        """Each local worker's next batch, from its shard (or the stream of batches given one by one).
+        `members` (a membership schedule): the others' shards wait for a joiner, and they are given a
+        member's batch, which their masked step does not train on ((None, None) when there is none)."""
         if isinstance(self.data.train, BatchStream):
             xs, ys = zip(*self.data.train.next(self.data_workers, self.config.workers))
-        else:
-            xs, ys = zip(*(self.data.train.get(s.next_indices(self.config.batch_size)) for s in self.samplers))
+            return mx.array(np.stack(xs)), mx.array(np.stack(ys))
+        members = members or [True] * len(self.samplers)
+        batches = {i: self.data.train.get(s.next_indices(self.config.batch_size))
+                   for i, s in enumerate(self.samplers) if members[i]}
+        if not batches:
+            return None, None
+        xs, ys = zip(*(batches.get(i, next(iter(batches.values()))) for i in range(len(self.samplers))))
         return mx.array(np.stack(xs)), mx.array(np.stack(ys))
+
+    def _worker_losses(self, step: int) -> mx.array:
+        """Each local model's eval loss at `step`; NaN for a worker that is not a member then."""
+        losses = self.workers.eval_each(self.eval_batches)
+        members = self.pacing.members(step)
+        return losses if members is None else mx.where(mx.array(members), losses, float("nan"))
+
+    def _no_train_losses(self) -> tuple:
+        """Each local worker's (sum, count) of train losses, before any (a worker with none: NaN)."""
+        return mx.zeros((self.comm.n_local,)), mx.zeros((self.comm.n_local,))
+
+    def _add_train_losses(self, tick: Tick):
+        """Count this tick's losses of the workers that are members."""
+        taken = mx.ones((self.comm.n_local,)) if tick.members is None else mx.array(tick.members, mx.float32)
+        self._loss_sum = self._loss_sum + mx.where(taken > 0, tick.losses, 0)
+        self._loss_count = self._loss_count + taken
 
     def _train_info(self, tick: Tick) -> dict:
         c = self.config
-        tokens = c.batch_size * (self.data.tokens_per_example() or 1) * self.comm.n_local  # (or examples)
-        return {"step": tick.step, "steps": c.steps, "loss": float(tick.losses.mean().item()),
-                "tokens_per_s": tokens / tick.seconds, "job_tokens_per_s": tokens * c.workers / self.comm.n_local / tick.seconds,
+        losses = tick.losses if tick.members is None else tick.losses[mx.array(np.flatnonzero(tick.members))]
+        tokens = c.batch_size * (self.data.tokens_per_example() or 1) * losses.size  # (or examples)
+        job = self.pacing.member_count(tick.step)
+        return {"step": tick.step, "steps": c.steps, "loss": float(losses.mean().item()),
+                "tokens_per_s": tokens / tick.seconds, "job_tokens_per_s": tokens * job / losses.size / tick.seconds,
                 "sync_s": self.comm.wait_s, "bytes_sent": self.ledger.bytes_sent}
+
+    # ------------------------------------------------------------ membership
+    def _change_membership(self, step: int):
+        """Report the workers that leave or join at `step`; joiners take the global model and a
+        member's inner optimizer state (membership.py), and step from the next step."""
+        changes = self.pacing.changes_at(step)
+        if self.reporter:
+            for change in changes:
+                self.log(change.describe())
+        joining = [c.worker for c in changes if c.joined]
+        if joining:
+            self.workers.admit([w in joining for w in self.comm.local_workers], self.global_params(),
+                               self._inner_state_of(PEER))
+
+    def _inner_state_of(self, worker: int) -> dict:
+        """Worker `worker`'s per-replica inner optimizer state ({path: value}, no worker axis), wherever
+        it is trained: every process takes part in the gather."""
+        state = [(k, v) for k, v in tree_flatten(self.workers.optimizer.state) if v.ndim]  # not the shared step, lr
+        buffer, shapes = flatten_workers(tree_unflatten(state))
+        row = self.comm.all_gather({"state": buffer}, tag="a joiner's inner optimizer state")["state"][worker]
+        return dict(tree_flatten(unflatten(row, shapes)))
 
     @contextmanager
     def _stop_on_non_finite(self, step: int):
@@ -278,12 +338,20 @@ class Run:
     # ------------------------------------------------------------ evaluation and metrics
     def examples(self) -> int:
         """Examples (sequences, images, rows) the workers have trained on so far."""
-        return sum(self.pacing.steps_taken(self.steps_done, self.config.workers)) * self.config.batch_size
+        return sum(self.examples_per_shard())
+
+    def examples_per_shard(self) -> list:
+        """Examples each worker's shard has given so far."""
+        return [n * self.config.batch_size for n in self.pacing.steps_taken(self.steps_done)]
 
     def tokens(self):
         """Tokens the workers have trained on so far; None when the examples are not tokens."""
         per_example = self.data.tokens_per_example()
         return None if per_example is None else self.examples() * per_example
+
+    def tokens_per_shard(self):
+        per_example = self.data.tokens_per_example()
+        return None if per_example is None else [n * per_example for n in self.examples_per_shard()]
 
     def global_params(self):
         return self.strategy.global_params(self.workers.params)
@@ -306,8 +374,11 @@ class Run:
             "step": self.steps_done, "outer_step": -(-self.steps_done // period) if period else None,
             "tokens": self.tokens(), "examples": self.examples(),
             "eval_loss": global_loss, "eval_loss_workers": worker_losses,
-            "train_loss": None if train_losses is None else sum(train_losses) / len(train_losses),
+            "train_loss": None if train_losses is None else mean_of_numbers(train_losses),
             "train_loss_workers": train_losses,
+            "members": self.pacing.member_count(self.steps_done),
+            "membership_changes": [c.row() for c in self.pacing.changes_between(self._last_evaluation(),
+                                                                                 self.steps_done)],
             "bytes_sent_per_worker": ledger.bytes_sent, "peak_exchange_bytes": ledger.peak_bytes,
             "compute_s": self.compute_s,
             "comm_s": ledger.comm_s, "modelled_time_s": modelled, "sync_wait_s": self.comm.wait_s,
@@ -323,6 +394,10 @@ class Run:
             "strategy_options": self.strategy.options(),
         })
 
+    def _last_evaluation(self) -> int:
+        """The step of the evaluation before this step's."""
+        return (self.steps_done - 1) // self.eval_every * self.eval_every
+
     def _peak_memory(self) -> float:
         """MLX's peak memory (MB) of every process (each hosts n_local workers): the largest one."""
         return max(self.comm.gather_metric(mx.full((self.comm.n_local,), mx.get_peak_memory() / 1e6)))
@@ -335,7 +410,9 @@ class Run:
         return {"run_dir": str(self.run_dir), "strategy": self.config.strategy,
                 "workers": self.config.workers, "steps": self.steps_done, "parameters": self.n_params,
                 "final_eval_loss": last.get("eval_loss"), "tokens": last.get("tokens"),
-                "examples": last.get("examples"),
+                "examples": last.get("examples"), "tokens_per_shard": self.tokens_per_shard(),
+                "examples_per_shard": self.examples_per_shard(),
+                "inner_steps_lost": self.pacing.lost_steps(self.steps_done),
                 "bytes_sent_per_worker": self.ledger.bytes_sent, "peak_exchange_bytes": self.ledger.peak_bytes,
                 "compute_s": self.compute_s, "modelled_comm_s": self.ledger.comm_s,
                 "utilisation": last.get("utilisation"), "link": self.ledger.link.describe(),

@@ -17,7 +17,7 @@ forward, backward, clipping and update, evaluated at once. What stays outside, a
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ..config import ConfigError
 from ..data.jsonl import IGNORE
@@ -272,6 +272,21 @@ class Workers:
         for group in in_groups(self.params, self.optimizer.state, size=self.update_group):
             mx.eval(group)
         return losses
+
+    def admit(self, joining: list, params, inner_state: dict):
+        """Replicas that join the job mid-run (`joining`: one bool per local replica) take `params`, the
+        global model (no worker axis), and `inner_state`, a member's per-replica optimizer state
+        ({path: value without the worker axis}): its moments, not fresh zeros, which the shared step
+        count's bias correction would make several times too large."""
+        rows = mx.array(joining)
+
+        def put(old, new):
+            return mx.where(rows.reshape((-1,) + (1,) * (old.ndim - 1)), new.astype(old.dtype)[None], old)
+        self.params = tree_map(put, self.params, params)
+        state = tree_flatten(self.optimizer.state)
+        self.optimizer.state = tree_unflatten([(k, put(v, inner_state[k]) if k in inner_state else v)
+                                               for k, v in state])
+        mx.eval(self.params, self.optimizer.state)
 
     def eval_each(self, batches) -> mx.array:
         """Validation loss of every local replica, shape (n_local,)."""
