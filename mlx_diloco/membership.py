@@ -122,7 +122,6 @@ class Timeline:
         self.segments = [(1, schedule.counts[0][1])]  # (first step, members from it on)
         self.changes = []
         self._replay()
-        self._check_last_rounds()
 
     def _replay(self):
         """The schedule's drops at their steps and its rises at the next sync point, in step order."""
@@ -179,21 +178,10 @@ class Timeline:
         return [self.slots * n / sum(taken) for n in taken]
 
     def sync_weights(self, step: int):
-        """The factors on each slot's pseudo-gradient at the sync(s) at `step` (None: no sync then)."""
+        """{fragment offset: the factors on each slot's pseudo-gradient} for the fragments that sync
+        at `step`, each over its own window (None: no sync then)."""
         syncing = self.offsets if step == self.steps else [o for o in self.offsets if (step - o) % self.H == 0]
-        return self._weights(syncing[0], step) if syncing else None
-
-    def _check_last_rounds(self):
-        """At the run's last step every fragment syncs, each over its own window, with one list of
-        weights: the membership must be the same over all of those windows."""
-        weights = [self._weights(o, self.steps) for o in self.offsets]
-        if all(w == weights[0] for w in weights):
-            return
-        start = min(self._last_sync(o, self.steps) for o in self.offsets) + 1
-        change = next(c for c in self.changes if start < c.first_step <= self.steps)
-        raise ConfigError(f"membership: the change at step {change.step} falls in the run's last rounds, which its "
-                          f"{len(self.offsets)} fragments end together at step {self.steps} from step {start} on; "
-                          f"schedule it to take effect by step {start} or after the run")
+        return {o: self._weights(o, step) for o in syncing} or None
 
     def changes_at(self, step: int) -> list:
         return [c for c in self.changes if c.step == step]

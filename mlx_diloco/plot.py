@@ -9,7 +9,8 @@ from .training.metrics import MetricsLog
 
 
 def label(strategy: str, options: dict, config: dict) -> str:
-    """A short name for a run: the strategy's label (what its options set apart), and its pacing."""
+    """A short name for a run: the strategy's label (what its options set apart), its pacing and
+    membership schedule."""
     from .strategies import make_strategy  # on call: the strategies import MLX
     try:
         parts = [make_strategy(strategy, options).label()]
@@ -17,6 +18,8 @@ def label(strategy: str, options: dict, config: dict) -> str:
         parts = [strategy]
     if config.get("worker_speeds"):
         parts.append(f"{config.get('speed_policy', 'fixed')}-paced")
+    if config.get("membership"):
+        parts.append(f"members {config['membership']}")
     return " ".join(parts)
 
 

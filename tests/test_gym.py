@@ -179,5 +179,6 @@ def test_plot_axes_and_labels_say_what_the_runs_are(tmp_path):
     plt.close(fig)
     options = {"sync_every": 10, "fragments": 2, "overlap_steps": 2, "compress": "int4"}
     assert label("diloco", options, {}) == "diloco H=10 P=2 tau=2 int4"
+    assert label("diloco", {"sync_every": 10}, {"membership": "0:4,30:3"}) == "diloco H=10 members 0:4,30:3"
     rows = [{"strategy": "diloco", "workers": 2, "strategy_options": options}]  # a streaming run read as plain DiLoCo
     assert run_label(rows, tmp_path / "run") == "diloco x2 H=10 P=2 tau=2 int4 (run)"

@@ -72,16 +72,16 @@ def test_a_timeline_admits_at_the_next_sync_and_weighs_by_steps():
     assert (left.step, left.worker, left.lost_steps, left.since) == (5, 3, 2, 2)
     assert (joined.step, joined.worker, joined.joined) == (8, 3, True)
     assert t.steps_taken(12) == [12, 12, 12, 8] and t.lost_steps(12) == [0, 0, 0, 2]
-    assert t.sync_weights(9) is None and t.sync_weights(8) == [4 * 4 / 12] * 3 + [0]
-    assert t.sync_weights(10) == [4 * 4 / 14] * 3 + [4 * 2 / 14]
+    assert t.sync_weights(9) is None and t.sync_weights(8) == {0: [4 * 4 / 12] * 3 + [0]}
+    assert t.sync_weights(10) == {2: [4 * 4 / 14] * 3 + [4 * 2 / 14]}
     whole = Timeline(Schedule(((0, 4), (6, 3))), sync_every=4, offsets=[0], steps=12)
     assert whole.changes[0].lost_steps == 1 and whole.changes[0].since == 4 and whole.steps_taken(12)[3] == 5
-    # At the last step both fragments sync, over steps 9..12 and 11..12, with one list of weights: a
-    # joiner admitted at step 10 would weigh 2 steps of 2 in one, 2 of 4 in the other. A leaver weighs 0 in both.
-    with pytest.raises(ConfigError, match="the change at step 10 falls in the run's last rounds"):
-        Timeline(Schedule(((0, 3), (9, 4))), sync_every=4, offsets=[2, 0], steps=12)
+    # At the last step both fragments sync, each over its own window (steps 9..12 and 11..12): a
+    # joiner admitted at step 10 weighs 2 steps of 4 in one, 2 of 2 in the other. A leaver weighs 0 in both.
+    last = Timeline(Schedule(((0, 3), (9, 4))), sync_every=4, offsets=[2, 0], steps=12).sync_weights(12)
+    assert last == {0: [4 * 4 / 14] * 3 + [4 * 2 / 14], 2: [1.0] * 4}
     assert Timeline(Schedule(((0, 4), (11, 3))), sync_every=4, offsets=[2, 0], steps=12).sync_weights(12) == \
-        [4 / 3] * 3 + [0]
+        {0: [4 / 3] * 3 + [0], 2: [4 / 3] * 3 + [0]}
 
 
 def test_a_leaver_loses_its_round_and_a_joiner_starts_from_the_global_model(tmp_path):
@@ -139,7 +139,7 @@ def test_two_fragments_admit_a_joiner_with_every_fragments_global_values(tmp_pat
     assert all(np.array_equal(params[k][3], v) for k, v in global_model.items())
     assert any(not np.array_equal(params[k][0], v) for k, v in global_model.items())  # members hold their own
     step_to(run, 10)  # fragment 0's sync: steps 7..10, worker 3 took 9 and 10
-    assert run.strategy.sync_weights == pytest.approx([16 / 14] * 3 + [8 / 14])
+    assert run.strategy.sync_weights[2] == pytest.approx([16 / 14] * 3 + [8 / 14])
     summary = run.train()
     assert summary["tokens_per_shard"] == [12 * 64] * 3 + [8 * 64] and math.isfinite(summary["final_eval_loss"])
 

@@ -12,6 +12,7 @@
 """
 
 import json
+import math
 from pathlib import Path
 
 from ..config import ConfigError, read_json
@@ -19,6 +20,13 @@ from ..plot import amount_axis, label, loss_curves, save_figure
 from ..training.metrics import MetricsLog, human_bytes
 
 CARD = "scorecard.json"
+
+
+def spread(losses: list):
+    """How far the workers' local models are apart: the largest loss minus the smallest, over the
+    workers that are members (a non-member's is NaN); None with fewer than two."""
+    members = [x for x in losses if x is not None and math.isfinite(x)]
+    return max(members) - min(members) if len(members) > 1 else None
 
 
 def scorecard(run_dir, problem=None, target_loss: float = None) -> dict:
@@ -29,7 +37,7 @@ def scorecard(run_dir, problem=None, target_loss: float = None) -> dict:
     target = target_loss if target_loss is not None else (problem.target_loss if problem else None)
     last = rows[-1]
     reached = next((r for r in rows if target is not None and r["eval_loss"] <= target), None)
-    spreads = [max(w) - min(w) for r in rows[1:] if (w := r.get("eval_loss_workers")) and len(w) > 1]
+    spreads = [s for r in rows[1:] if (s := spread(r.get("eval_loss_workers") or [])) is not None]
     options = last.get("strategy_options") or {}
     return {
         "problem": problem.name if problem else None, "run_dir": str(run_dir),

@@ -70,11 +70,17 @@ def default_inner_optimizer(config) -> optim.AdamW:
 class Strategy:
     name = "base"
     clip_gradients = True  # the run clips each worker's gradients (grad-clip) before the inner update
-    # Workers may take different numbers of inner steps between syncs (speed-policy time): only
-    # for strategies that exchange nothing between syncs. The run then sets `sync_weights`, one
-    # factor per local worker on what it sends (speeds.py).
+    # Workers may take different numbers of inner steps between syncs (speed-policy time, a
+    # membership schedule): only for strategies that exchange nothing between syncs. The run then
+    # sets `sync_weights`, one factor per local worker on what it sends (speeds.py), or
+    # {fragment offset: factors} when the fragments' windows differ (membership.py).
     steps_can_differ = False
     sync_weights = None
+
+    def weights_of(self, fragment) -> list:
+        """The factors on what each local worker sends of `fragment` at its sync (None: equal)."""
+        w = self.sync_weights
+        return w.get(fragment.offset) if isinstance(w, dict) else w
     # Model-sized fp32 arrays held in memory between syncs (DiLoCo: the global model and its outer
     # optimizer's state): what memory.py counts for the strategy beside the replicas.
     outer_copies = 0

@@ -143,12 +143,12 @@ class DiLoCo(Strategy):
             for f in self.model_fragments:
                 if f.pending is not None:
                     flat = f.perform_sync(flat)
-                f.prepare_sync(flat, self.comm, step, self.sync_weights)
+                f.prepare_sync(flat, self.comm, step, self.weights_of(f))
                 flat = f.perform_sync(flat, final=True, short_round=f.round_length(step - K) < self.sync_every)
         else:
             for f in self.model_fragments:   # every worker starts the fragments' exchanges in the same order
                 if f.is_send_step(step - K):
-                    f.prepare_sync(flat, self.comm, step, self.sync_weights)
+                    f.prepare_sync(flat, self.comm, step, self.weights_of(f))
                     if f.apply_at == step:  # no overlap: land it now, so that fragments syncing at
                         flat = f.perform_sync(flat)  # one step (H < P) hold one's buffers at a time
             for f in self.model_fragments:

@@ -1,3 +1,3 @@
 """The training loop shared by sim, the cluster worker and the API: the run (run.py), the replicas one
-process trains (workers.py), workers of different speeds (pacing.py), who hears the run's reports
-(callbacks.py), checkpoints and metrics."""
+process trains (workers.py), who steps at each tick (pacing.py: workers of different speeds, or a
+membership schedule), who hears the run's reports (callbacks.py), checkpoints and metrics."""

@@ -69,7 +69,8 @@ class Pacing:
         """Before the strategy's after_step: under a membership schedule, a sync at this tick weighs
         each worker's pseudo-gradient by the inner steps it took in the window the sync covers."""
         if self.timeline and (weights := self.timeline.sync_weights(tick)) is not None:
-            self.strategy.sync_weights = [weights[w] for w in self.comm.local_workers]
+            self.strategy.sync_weights = {offset: [factors[w] for w in self.comm.local_workers]
+                                          for offset, factors in weights.items()}
 
     def changes_at(self, tick: int) -> list:
         """The workers that leave or join at this tick (membership.Change)."""
