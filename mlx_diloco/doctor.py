@@ -57,7 +57,7 @@ def preset_lines() -> list:
         quantized = "quantization" in spec.params  # its packed weights cannot train: adapters only (QLoRA)
         name = preset + (" (images)" if not spec.is_language_model else " (LoRA)" if quantized else "")
         config = TrainConfig(model=preset, batch_size=4, fine_tune_type="lora" if quantized else "full",
-                             num_layers=min(spec.num_blocks, 16) if quantized else 16,
+                             num_layers=min(spec.num_blocks, 16),  # mlx-lm's default, or every block
                              seq_len=min(spec.context_length, 512) if spec.is_language_model else 0)
         o = MemoryOptions.of(config, strategy)
         _, shape = trained_shape(config)

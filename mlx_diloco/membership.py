@@ -183,9 +183,6 @@ class Timeline:
         syncing = self.offsets if step == self.steps else [o for o in self.offsets if (step - o) % self.H == 0]
         return {o: self._weights(o, step) for o in syncing} or None
 
-    def changes_at(self, step: int) -> list:
-        return [c for c in self.changes if c.step == step]
-
     def changes_between(self, start: int, step: int) -> list:
         """The changes at steps in (start, step]."""
         return [c for c in self.changes if start < c.step <= step]

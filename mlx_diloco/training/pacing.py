@@ -72,11 +72,8 @@ class Pacing:
             self.strategy.sync_weights = {offset: [factors[w] for w in self.comm.local_workers]
                                           for offset, factors in weights.items()}
 
-    def changes_at(self, tick: int) -> list:
-        """The workers that leave or join at this tick (membership.Change)."""
-        return self.timeline.changes_at(tick) if self.timeline else []
-
     def changes_between(self, start: int, tick: int) -> list:
+        """The workers that leave or join at ticks in (start, tick] (membership.Change)."""
         return self.timeline.changes_between(start, tick) if self.timeline else []
 
     def lost_steps(self, ticks: int) -> list:

@@ -305,7 +305,7 @@ class Run:
     def _change_membership(self, step: int):
         """Report the workers that leave or join at `step`; joiners take the global model and a
         member's inner optimizer state (membership.py), and step from the next step."""
-        changes = self.pacing.changes_at(step)
+        changes = self.pacing.changes_between(step - 1, step)
         if self.reporter:
             for change in changes:
                 self.log(change.describe())
