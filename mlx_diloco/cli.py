@@ -146,8 +146,8 @@ def cmd_worker(args):
     """One worker of a cluster job or of sim's processes, as its job file says (worker_job.py);
     its rank and peers from MLX_RANK and MLX_HOSTFILE (set by the agent, by sim, or by hand)."""
     from .exchange.ring import init_ring
-    from .training.run import Placement, Run
-    from .worker_job import WorkerJob
+    from .training.run import Placement, Run, StoppedForChange
+    from .worker_job import STOPPED_FOR_CHANGE, WorkerJob
     job = WorkerJob.read(args.job)
     config = TrainConfig.from_dict(job.config)
     comm = init_ring(job.collective_timeout, job.workers_per_process)
@@ -155,10 +155,17 @@ def cmd_worker(args):
     run_dir = Path(job.run_dir)
     place = Placement(shard_dir=job.data_dir, data_worker=job.data_worker, num_shards=job.num_shards,
                       checkpoint_dir=run_dir if job.own_run_dir else None,
-                      progress_path=job.progress, resume_step=job.resume_step)
+                      progress_path=job.progress, resume_step=job.resume_step, ring_slots=job.ring_slots,
+                      membership=job.membership, joiners=job.joiners, control_path=job.control)
     run = Run(config, run_dir, comm, reporter=rank == 0, resume=job.resume_step is not None,
               log=worker_log(job.simulated), place=place)
-    summary = run.train()
+    try:
+        summary = run.train()
+    except StoppedForChange as e:  # the launcher starts the job's next ring
+        print(e, file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # Now, without the interpreter's teardown: MLX's ring can hang closing its sockets to a lost peer.
+        os._exit(STOPPED_FOR_CHANGE)
     if rank == 0 and not job.simulated:
         print_summary(summary)
 
@@ -239,7 +246,8 @@ def cmd_launch(args):
         run_dir = Path(args.run_dir or f"runs/cluster-{config.strategy}-x{config.workers}-{time.strftime('%Y%m%d-%H%M%S')}")
         options = Options(on_loss=args.on_loss, collective_timeout=args.collective_timeout,
                           heartbeat_timeout=args.heartbeat_timeout, max_restarts=args.max_restarts,
-                          data_on_workers=args.data_on_workers)
+                          data_on_workers=args.data_on_workers, min_workers=args.min_workers,
+                          max_workers=args.max_workers, add=args.add, discover=not args.hosts)
         launcher = Launcher.new(config, found, run_dir, secret, options, log=lambda m: print(m, file=sys.stderr))
     args.on_interrupt = (f"the workers go on; watch them again with: mlx-diloco launch --resume "
                          f"--run-dir {launcher.run_dir}")
@@ -400,6 +408,12 @@ def build_parser(config_flags: bool = True):
     s.add_argument("--resume", action="store_true", help="continue the job in --run-dir (after a launcher restart)")
     s.add_argument("--on-loss", choices=["shrink", "wait"], default="shrink",
                    help="when a machine is lost: go on with the rest, or wait for it to return")
+    s.add_argument("--min-workers", type=int, default=1,
+                   help="the fewest workers the job goes on with after losing machines; below, it waits for them")
+    s.add_argument("--max-workers", type=int, default=0,
+                   help="the most workers machines joining mid-run make (default: --workers)")
+    s.add_argument("--add", default="", metavar="HOST[:PORT],...",
+                   help="machines to admit as they answer, each at the next sync point (a free worker slot)")
     s.add_argument("--collective-timeout", type=float, default=30.0,
                    help="seconds a worker may wait in a collective (or between steps) before it counts as stalled")
     s.add_argument("--heartbeat-timeout", type=float, default=5.0,

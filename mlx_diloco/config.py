@@ -73,7 +73,8 @@ class TrainConfig:
                                     "(simulates a mixed cluster)")
     speed_policy: str = option("fixed", "with worker speeds: fixed (H steps each; fast workers wait) or time "
                                         "(each worker takes the steps that fit a round; speeds.py)")
-    membership: str = option("", "workers leaving and joining mid-run, STEP:WORKERS pairs, e.g. 0:4,300:3,600:4: "
+    membership: str = option("", "workers leaving and joining mid-run, STEP:WORKERS pairs, e.g. 0:4,300:3,600:4, "
+                                 "or STEP:-SLOT / STEP:+SLOT for a named slot: "
                                  "a leaver's round is lost, a joiner starts from the global model at the next "
                                  "sync (membership.py; '': fixed)")
     vectorize: bool = option(True, "train simulated workers together with mx.vmap (--no-vectorize: one after another)")

@@ -27,6 +27,11 @@ META = {
     "model_preset": "the model's preset, a dict, or None (a model folder)",
     "vocab_size": "the data's vocabulary size, an int, or None",
 }
+# Keys a checkpoint may lack (those written before them did).
+OPTIONAL_META = {
+    "membership": "an elastic cluster worker's: the slots of its ring's workers ('ring_slots') and who left "
+                  "and joined so far ('history', membership.py's syntax)",
+}
 
 
 def _step_of(path: Path) -> int:
@@ -58,7 +63,7 @@ def meta_flaw(meta: dict) -> str:
     flaws = []
     if missing := sorted(META.keys() - meta.keys()):
         flaws.append(f"it lacks {missing}")
-    if unknown := sorted(meta.keys() - META.keys()):
+    if unknown := sorted(meta.keys() - META.keys() - OPTIONAL_META.keys()):
         flaws.append(f"{unknown} are not in run_folder.META")
     return "; ".join(flaws)
 

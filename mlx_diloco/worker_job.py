@@ -12,6 +12,8 @@ from pathlib import Path
 
 from .options import ConfigError, from_dict, read_json
 
+STOPPED_FOR_CHANGE = 75  # a worker's exit code once it has saved its state for a membership change (EX_TEMPFAIL)
+
 FIX = ("pass the job file that sim or an agent wrote, or write one: a JSON object of WorkerJob's keys "
        "(mlx_diloco/worker_job.py)")
 
@@ -29,6 +31,11 @@ class WorkerJob:
     collective_timeout: float = 60.0   # seconds a collective may wait for peers before this worker exits
     progress: str = None               # a JSON file rewritten every step (step, loss, tokens/s, sync time)
     simulated: bool = False            # a process of sim, which reports the data's warnings and the summary itself
+    # An elastic cluster job (issue 24): the ring holds the job's current members only.
+    ring_slots: list = None            # the slot (worker id, data shard) of each rank (default: the rank)
+    membership: str = None             # who joined and left so far, membership.py's syntax (default: the config's)
+    joiners: list = None               # slots that join at this start, taking the job's state from a member
+    control: str = None                # a file the agent writes to make this worker save its state and exit
 
     def write(self, path: Path):
         """The job as JSON; a key left at None is left out (read gives it back as None)."""

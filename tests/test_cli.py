@@ -54,6 +54,19 @@ def test_bad_input_one_clear_line(tmp_path, args, message):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--min-workers", "3"], "--min-workers must be between 1 and --workers (2), got 3"),
+    (["--max-workers", "1"], "--max-workers (1) is below --workers (2)"),
+    (["--max-workers", "3", "--strategy", "ddp"], "--max-workers needs a strategy that syncs every H steps"),
+])
+def test_launch_bounds_are_checked_in_one_line(tmp_path, args, message):
+    """Before any agent is asked (none answers at this address)."""
+    out = run_cli("launch", *COMMON, "--workers", "2", "--hosts", "127.0.0.1:9", *args, "--run-dir", tmp_path / "r",
+                  env={"MLX_DILOCO_SECRET": "x" * 32})
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and message in out.stderr, out.stderr
+    assert not (tmp_path / "r").exists()
+
+
 def test_config_typo_is_named(tmp_path):
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"sync_evrey": 10}))

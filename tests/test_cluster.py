@@ -9,6 +9,7 @@ import sys
 import time
 
 import numpy as np
+from pathlib import Path
 import pytest
 from mlx.utils import tree_flatten
 
@@ -63,10 +64,17 @@ def cluster_global(cluster):
     return {k: np.array(v) for k, v in tree_flatten(load_trained_model(worker0)[0].trainable_parameters())}
 
 
-def assert_same_params(a, b):
+def assert_same_params(a, b, atol=1e-6):
     assert a.keys() == b.keys()
     for k in a:
-        np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-6, err_msg=k)
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=atol, err_msg=k)
+
+
+# Over 30 steps, MLX's ring adds the workers' float32 values in another order than the simulator
+# (which also adds a leaver's zero), and AdamW amplifies that in a few rows (over 60 steps, measured:
+# 7 of 16,384 values of wte.weight off by up to 7.8e-6 in one run, 14 of 4,096 of a c_fc row by up to
+# 6e-5 in another): membership runs are compared to 2e-5.
+MEMBERSHIP_ATOL = 2e-5
 
 
 def final_loss(run_dir):
@@ -122,7 +130,8 @@ def test_three_hosts_found_over_mdns_train_like_sim(cluster, tmp_path, options):
 
 # A run long enough to interrupt mid-round: 16 outer rounds of 15 steps (~10 s).
 def long_config(**overrides):
-    return tiny_config(workers=3, steps=240, sync_every=15, seq_len=32, batch_size=8, compress="fp32", **overrides)
+    return tiny_config(**{**dict(workers=3, steps=240, sync_every=15, seq_len=32, batch_size=8, compress="fp32"),
+                          **overrides})
 
 
 def test_killed_worker_is_detected_and_the_job_finishes(cluster, tmp_path):
@@ -136,7 +145,10 @@ def test_killed_worker_is_detected_and_the_job_finishes(cluster, tmp_path):
     print(f"\nkill -9: detected after {failure['time'] - killed_at:.1f} s")
     assert "signal 9" in failure["why"] and failure["time"] - killed_at < 10
     restart = [e for e in events(run_dir) if e["event"] == "started"][-1]
-    assert restart["resume_step"] in (30, 45)  # at most the current outer round is lost
+    # The killed worker lost its round (it resumes from the checkpoint at step 30); the others keep
+    # their steps: each resumes from the state it saved when asked, or before the exchange at step 45.
+    resumed = restart["resume_step"]
+    assert resumed["1"] == 30 and 37 <= resumed["0"] <= 44 and 37 <= resumed["2"] <= 44, resumed
     assert [e["event"] for e in events(run_dir)].count("shipped") == 3  # the agents kept the shards
     _, sim_loss = sim_global(config, tmp_path)
     # Same machines, restarted from a checkpoint: the uninterrupted run's loss, up to float noise
@@ -174,10 +186,11 @@ def test_lost_machine_the_job_goes_on_with_the_rest(cluster, tmp_path):
     failure = [e for e in events(run_dir) if e["event"] == "failure"][0]
     print(f"\nlost machine: detected after {failure['time'] - lost_at:.1f} s")
     assert failure["time"] - lost_at < 10
-    assert [e for e in events(run_dir) if e["event"] == "shrunk"][0]["workers"] == 2
+    left = [e for e in events(run_dir) if e["event"] == "left"]
+    assert [(e["worker"], e["workers"]) for e in left] == [(2, 2)]
     _, sim_loss = sim_global(config, tmp_path)
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["step"] == config.steps and rows[-1]["workers"] == 2
+    assert rows[-1]["step"] == config.steps and rows[-1]["members"] == 2 and summary_of(run_dir)["workers"] == 2
     assert_final_loss(run_dir, sim_loss, rel=0.03)  # two of three shards for the last rounds
 
 
@@ -193,7 +206,7 @@ def test_killed_launcher_resumes_the_job(cluster, tmp_path, worker_dies_too):
     resumed = subprocess.run([sys.executable, "-m", "mlx_diloco", "launch", "--resume", "--run-dir", str(run_dir)],
                              capture_output=True, text=True, timeout=400, env={**os.environ, "MLX_DILOCO_SECRET": SECRET})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    kinds = [e["event"] for e in events(run_dir)]
+    kinds = [e["event"] for e in events(run_dir) if e["event"] in ("started", "reattached")]
     assert kinds[-1] == ("started" if worker_dies_too else "reattached"), kinds
     _, sim_loss = sim_global(config, tmp_path)
     assert_final_loss(run_dir, sim_loss, rel=2e-3)
@@ -265,3 +278,145 @@ def test_launch_refuses_a_hub_model_that_one_host_lacks_and_names_it(tmp_path):
         f"mlx-diloco: error: model {REPO} is missing on host2 (each Mac loads it from its own disk); download it "
         f"first with `hf download {REPO}` (or `mlx_lm.generate --model {REPO}` once) on each of them, or leave them out")
     assert not (tmp_path / "run").exists()  # refused before anything started
+
+
+# ---------------------------------------------------------------- membership changes (issue 24)
+def membership_changes(run_dir) -> list:
+    return [e for e in events(run_dir) if e["event"] == "membership_change"]
+
+
+def summary_of(run_dir) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_a_planned_schedule_on_the_cluster_trains_like_sim(cluster, tmp_path):
+    """`--membership` is enacted by new rings: worker 2 leaves at step 12 (its round since step 10 is
+    lost), the others keep their steps; it joins again at the sync at step 20, taking the global model
+    and worker 0's moments over the ring. The global model equals the simulator's with the same schedule."""
+    config = long_config(steps=30, sync_every=5, membership="0:3,12:2,19:3")
+    run_dir = tmp_path / "run"
+    finish(launch(config, run_dir, f"--hosts={cluster.hosts_flag}"))
+    kinds = [(e["event"], e.get("worker")) for e in events(run_dir) if e["event"] in ("left", "joined")]
+    assert kinds == [("left", 2), ("joined", 2)]
+    assert [e["redone_steps"] for e in membership_changes(run_dir)] == [{"0": 0, "1": 0}, {"0": 0, "1": 0}]
+    sim_params, sim_loss = sim_global(config, tmp_path)
+    assert_same_params(cluster_global(cluster), sim_params, atol=MEMBERSHIP_ATOL)
+    summary = summary_of(run_dir)
+    sim = json.loads((tmp_path / "sim" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert summary["tokens_per_shard"] == sim["tokens_per_shard"] and summary["inner_steps_lost"] == [0, 0, 1]
+    assert summary["final_eval_loss"] == pytest.approx(sim_loss, rel=1e-4)
+    assert "joined at step 20" in (run_dir / "logs" / "worker-2.log").read_text()
+    (worker0,) = cluster.folder.glob("host*/jobs/*/worker-0")
+    recorded = json.loads((worker0 / f"ckpt-{config.steps}.json").read_text())["membership"]
+    assert recorded == {"ring_slots": [0, 1, 2], "history": config.membership}  # the checkpoint records who trains
+
+
+def test_a_machine_added_mid_run_joins_at_the_next_sync(cluster, tmp_path):
+    """Two machines start; the third (--add) is admitted at the next sync point after it answers, into
+    the job's free slot, with the job's state from a member; every shard is trained."""
+    config, run_dir = long_config(workers=2, steps=600), tmp_path / "run"
+    first_two = ",".join(cluster.hosts_flag.split(",")[:2])
+    proc = launch(config, run_dir, f"--hosts={first_two}", f"--add={cluster.address(3)}", "--max-workers=3")
+    finish(proc)
+    joined = [e for e in events(run_dir) if e["event"] == "joined"]
+    assert [e["worker"] for e in joined] == [2]
+    change = membership_changes(run_dir)[-1]
+    print(f"\njoin: {change}")
+    assert change["change"] == "join" and change["redone_steps"] == {"0": 0, "1": 0}
+    summary = summary_of(run_dir)
+    assert summary["workers"] == 3 and all(t > 0 for t in summary["tokens_per_shard"])
+    assert final_loss(run_dir) < 5.2
+
+
+def test_a_machine_found_on_mdns_mid_run_joins(cluster, tmp_path):
+    """Agents found over mDNS (no --hosts): a Mac that comes home mid-run, its agent advertising
+    itself only then, is found by the launcher's background browsing and joins."""
+    cluster.kill_host(3)
+    config, run_dir = long_config(workers=2, steps=1500), tmp_path / "run"
+    proc = launch(config, run_dir, "--max-workers=3")
+    wait_for_step(cluster, 1, 30)
+    cluster.start_agent(3)
+    finish(proc)
+    assert [(e["worker"], e["host"]) for e in events(run_dir) if e["event"] == "joined"] == [(2, "host3")]
+    assert summary_of(run_dir)["workers"] == 3
+
+
+def test_a_sleeping_machine_is_evicted_then_readmitted(cluster, tmp_path):
+    """A laptop that sleeps: every process of host 3 SIGSTOPped for 12 s. The launcher evicts it after
+    the heartbeat timeout (the others, waiting in the exchange, resume from the state they saved
+    before it), and admits it again at a sync point once it wakes; the job completes."""
+    config, run_dir = long_config(steps=2400), tmp_path / "run"  # the others still train when it wakes
+    proc = launch(config, run_dir, f"--hosts={cluster.hosts_flag}", "--heartbeat-timeout=3",
+                  "--collective-timeout=6")
+    wait_for_step(cluster, 3, 37)
+    pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", "mdt3"], capture_output=True,
+                                           text=True).stdout.split()]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    time.sleep(12)
+    for pid in pids:
+        os.kill(pid, signal.SIGCONT)
+    finish(proc)
+    moves = [(e["event"], e["worker"]) for e in events(run_dir) if e["event"] in ("left", "joined")]
+    assert moves == [("left", 2), ("joined", 2)], events(run_dir)
+    assert summary_of(run_dir)["workers"] == 3 and summary_of(run_dir)["steps"] == config.steps
+
+
+def test_a_machine_lost_with_an_exchange_in_flight(cluster, tmp_path):
+    """Streaming DiLoCo, int4 with error feedback, each exchange overlapping 8 of H = 15 steps: one is
+    in flight at almost every step. The survivors resume from their own states, sending again what
+    was in flight, and finish with the rest of the run."""
+    config = long_config(fragments=2, overlap_steps=8, compress="int4", error_feedback=True)
+    run_dir = tmp_path / "run"
+    proc = launch(config, run_dir, f"--hosts={cluster.hosts_flag}", "--heartbeat-timeout=3")
+    wait_for_step(cluster, 3, 37)
+    cluster.kill_host(3)
+    finish(proc)
+    assert [e["worker"] for e in events(run_dir) if e["event"] == "left"] == [2]
+    assert summary_of(run_dir)["steps"] == config.steps
+    _, sim_loss = sim_global(config, tmp_path)
+    assert_final_loss(run_dir, sim_loss, rel=0.03)  # two of three shards for the last rounds
+
+
+def test_a_launcher_killed_during_a_change_resumes_it(cluster, tmp_path):
+    """The launcher dies before a planned leave; the workers save their states and exit at it with no
+    launcher to start the next ring. `launch --resume` makes the change, and the run equals the
+    simulator's with the same schedule."""
+    config, run_dir = long_config(steps=30, sync_every=5, membership="0:3,18:2"), tmp_path / "run"
+    proc = launch(config, run_dir, f"--hosts={cluster.hosts_flag}")
+    wait_for_step(cluster, 1, 3)
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 120
+    while not all((p := cluster.progress(i)) and "stopped" in p for i in (1, 2, 3)):
+        assert time.time() < deadline, [cluster.progress(i) for i in (1, 2, 3)]
+        time.sleep(0.2)
+    resumed = subprocess.run([sys.executable, "-m", "mlx_diloco", "launch", "--resume", "--run-dir", str(run_dir)],
+                             capture_output=True, text=True, timeout=400, env={**os.environ, "MLX_DILOCO_SECRET": SECRET})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [e for e in events(run_dir) if e["event"] == "reattached"][0]["during"] == "a membership change"
+    sim_params, _ = sim_global(config, tmp_path)
+    assert_same_params(cluster_global(cluster), sim_params, atol=MEMBERSHIP_ATOL)
+
+
+def test_a_joiner_of_another_version_is_refused(tmp_path):
+    """Host 3 runs another mlx-diloco version (a copy of the package that says so): named with --add,
+    it is refused in one event naming both versions and the fix, and the job goes on without it."""
+    import shutil
+    import mlx_diloco
+    other = tmp_path / "other-version"
+    shutil.copytree(Path(mlx_diloco.__file__).parent, other / "mlx_diloco",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    init = other / "mlx_diloco" / "__init__.py"
+    init.write_text(init.read_text().replace(f'__version__ = "{mlx_diloco.__version__}"', '__version__ = "0.0.9"'))
+    cluster = EmulatedCluster(3, tmp_path / "cluster", host_env={3: {"PYTHONPATH": str(other)}})
+    try:
+        config, run_dir = long_config(steps=600, workers=2), tmp_path / "run"
+        first_two = ",".join(cluster.hosts_flag.split(",")[:2])
+        finish(launch(config, run_dir, f"--hosts={first_two}", f"--add={cluster.address(3)}", "--max-workers=3"))
+    finally:
+        cluster.close()
+    (refused,) = [e for e in events(run_dir) if e["event"] == "refused"]
+    assert refused["host"].startswith(cluster.address(3)) and "runs mlx-diloco 0.0.9" in refused["why"] and \
+        "install the same version" in refused["why"]
+    assert "joined" not in [e["event"] for e in events(run_dir)]

@@ -11,7 +11,7 @@ from mlx.utils import tree_flatten
 from conftest import run_cli, tiny_config
 from mlx_diloco.config import ConfigError, TrainConfig
 from mlx_diloco.exchange.comm import SimCommunicator
-from mlx_diloco.membership import Schedule, Timeline
+from mlx_diloco.membership import Change, Schedule, Timeline
 from mlx_diloco.strategies.fragments import gather
 from mlx_diloco.training import checkpoint
 from mlx_diloco.training.metrics import MetricsLog
@@ -44,11 +44,11 @@ def arrays(tree) -> dict:
 def test_schedules_are_checked_in_one_line(tmp_path):
     for text, workers, message in [
             ("0:4,x", 4, "STEP:WORKERS pairs separated by commas"), ("0:4,10:0", 4, "at least 1 worker"),
-            ("0:4,10:3,10:4", 4, "steps must increase"), ("0:4,10:3", 3, "set --workers 4"),
+            ("0:4,10:3,9:4", 4, "steps must not decrease"), ("0:4,10:3", 3, "set --workers 4"),
             ("0:2,10:3", 4, "set --workers 3")]:
         with pytest.raises(ConfigError, match=message):
             TrainConfig.from_dict(dict(workers=workers, membership=text))
-    assert Schedule.of(TrainConfig.from_dict(dict(workers=4, membership="10:3"))).counts == ((0, 4), (10, 3))
+    assert Schedule.of(TrainConfig.from_dict(dict(workers=4, membership="10:3"))).entries == ((0, 4), (10, 3))
     with pytest.raises(ConfigError, match="cannot be combined with worker-speeds"):
         TrainConfig.from_dict(dict(workers=2, membership="0:2,4:1", worker_speeds="1,0.5"))
     for options, message in [(dict(strategy="ddp"), "exchanges only at its syncs"),
@@ -66,7 +66,7 @@ def test_a_timeline_admits_at_the_next_sync_and_weighs_by_steps():
     """Two fragments, H = 4 (offsets 2 and 0): a fragment syncs every 2 steps, so the rise at
     step 7 admits worker 3 after step 8; the sync at step 10 covers steps 7..10, 2 of them its."""
     t = Timeline(Schedule(((0, 4), (5, 3), (7, 4))), sync_every=4, offsets=[2, 0], steps=12)
-    assert [t.members(s) for s in (0, 4, 5, 8, 9)] == [4, 4, 3, 3, 4]
+    assert [t.count(s) for s in (0, 4, 5, 8, 9)] == [4, 4, 3, 3, 4] and t.members(5) == {0, 1, 2}
     left, joined = t.changes
     # fragment 0 last synced at step 2, fragment 1 at 4: steps 3 and 4 are partly lost
     assert (left.step, left.worker, left.lost_steps, left.since) == (5, 3, 2, 2)
@@ -82,6 +82,65 @@ def test_a_timeline_admits_at_the_next_sync_and_weighs_by_steps():
     assert last == {0: [4 * 4 / 14] * 3 + [4 * 2 / 14], 2: [1.0] * 4}
     assert Timeline(Schedule(((0, 4), (11, 3))), sync_every=4, offsets=[2, 0], steps=12).sync_weights(12) == \
         {0: [4 / 3] * 3 + [0], 2: [4 / 3] * 3 + [0]}
+
+
+def test_a_named_slot_leaves_mid_round_and_rejoins_from_the_lowest_numbered_member():
+    """H = 4, 4 slots: slot 1 leaves at step 6 (it took step 5), slot 0 at step 10; slot 1 asks to
+    join at step 9 and is admitted after the sync at 12 with slot 2's moments (slot 0 has left), slot
+    0 asks at 14 and is admitted after the sync at 16."""
+    schedule = Schedule.from_text("6:-1,9:+1,10:-0,14:+0", workers=4)
+    assert schedule.text == "0:4,6:-1,9:+1,10:-0,14:+0"
+    t = Timeline(schedule, sync_every=4, offsets=[0], steps=20)
+    assert [t.members(s) for s in (0, 5, 6, 9, 10, 12, 13, 16, 17)] == \
+        [{0, 1, 2, 3}] * 2 + [{0, 2, 3}] * 2 + [{2, 3}] * 2 + [{1, 2, 3}] * 2 + [{0, 1, 2, 3}]
+    assert [t.count(s) for s in (6, 10, 13)] == [3, 2, 3]
+    assert t.changes == [Change(6, 1, False, 3, lost_steps=1, since=4), Change(10, 0, False, 2, lost_steps=1, since=8),
+                         Change(12, 1, True, 3), Change(16, 0, True, 4)]
+    assert [t.peer(s) for s in (5, 8, 12, 16)] == [0, 0, 2, 1]
+    # each sync weighs the slots by their steps in its window, 0 for a slot that is not a member then
+    assert [t.sync_weights(s) for s in (8, 12, 16, 20)] == [{0: [4 / 3, 0, 4 / 3, 4 / 3]}, {0: [0, 0, 2, 2]},
+                                                            {0: [0, 4 / 3, 4 / 3, 4 / 3]}, {0: [1, 1, 1, 1]}]
+    assert t.steps_taken(20) == [9 + 4, 5 + 8, 20, 20] and t.lost_steps(20) == [1, 1, 0, 0]
+    assert t.lost_steps(9) == [0, 1, 0, 0]
+
+
+def test_entries_at_one_step_apply_in_order_and_counts_name_the_slots():
+    both = Timeline(Schedule.from_text("0:4,6:-1,6:-2,9:+2,9:+1", 4), sync_every=4, offsets=[0], steps=16)
+    assert [c.row() for c in both.changes] == [
+        {"step": 6, "worker": 1, "event": "left", "members": 3, "lost_steps": 1, "since": 4},
+        {"step": 6, "worker": 2, "event": "left", "members": 2, "lost_steps": 1, "since": 4},
+        {"step": 12, "worker": 2, "event": "joined", "members": 4}, {"step": 12, "worker": 1, "event": "joined",
+                                                                    "members": 4}]
+    assert both.sync_weights(12) == {0: [2, 0, 0, 2]} and both.steps_taken(16) == [16, 9, 9, 16]
+    # A rise brings the lowest-numbered free slots, a drop takes the highest-numbered members.
+    rise = Timeline(Schedule.from_text("0:4,6:-1,9:4", 4), sync_every=4, offsets=[0], steps=16)
+    assert rise.members(13) == {0, 1, 2, 3} and [c.worker for c in rise.changes] == [1, 1]
+    drop = Timeline(Schedule.from_text("0:4,6:-0,9:2", 4), sync_every=4, offsets=[0], steps=16)
+    assert drop.members(9) == {1, 2} and drop.peer(9) == 1
+    # Slot 1 absent from the start; slot 3 asks to join at 5 but leaves at 6, before the sync at 8 admits it.
+    late = Timeline(Schedule.from_text("0:-1,0:2,5:+3,6:-3,7:+1", 4), sync_every=4, offsets=[0], steps=16)
+    assert late.members(0) == {0, 2} and late.changes == [Change(8, 1, True, 3)] and late.steps_taken(16)[3] == 0
+
+
+@pytest.mark.parametrize("text, workers, message", [
+    ("0:4,6:-1,7:-1", 4, "slot 1 leaves at step 7 but is not a member then"),
+    ("0:4,6:-1,7:+1,8:+1", 4, "slot 1 joins at step 8 but is a member then or joining already"),
+    ("6:+1", 4, "slot 1 joins at step 6 but is a member then"),
+    ("6:-4", 4, r"names slot 4 but --workers is 4 \(slots 0..3\); set --workers 5 or more"),
+    ("0:4,6:-1,9:5", 4, "has up to 5 members but --workers is 4; set --workers 5 or more"),
+    ("0:2,6:-0,6:-1", 2, "leaves no worker at step 6"),
+    ("6:-1,6:x", 4, "STEP:WORKERS pairs separated by commas, or STEP:-SLOT and STEP:\\+SLOT"),
+    ("6:-1,5:+1", 4, "steps must not decrease")])
+def test_a_misused_named_entry_is_one_line(text, workers, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        TrainConfig.from_dict(dict(workers=workers, membership=text))
+    assert "\n" not in str(error.value)
+
+
+def test_a_timeline_without_a_member_until_a_sync_is_one_line():
+    """Slots 0 and 1 leave at step 11; slot 2 could take over only after the sync at 12."""
+    with pytest.raises(ConfigError, match="leaves no worker at step 11"):
+        Timeline(Schedule.from_text("0:2,10:+2,11:-0,11:-1", 3), sync_every=4, offsets=[0], steps=16)
 
 
 def test_a_leaver_loses_its_round_and_a_joiner_starts_from_the_global_model(tmp_path):
@@ -130,6 +189,25 @@ def test_a_leaver_loses_its_round_and_a_joiner_starts_from_the_global_model(tmp_
     assert rows[12]["membership_changes"] == [{"step": 12, "worker": 3, "event": "joined", "members": 4}]
     assert "step 6: worker 3 left (its 1 inner step since step 4 is lost); 3 workers" in said
     assert "step 12: worker 3 joined from the global model; 4 workers" in said
+
+
+def test_a_named_leaver_rejoins_with_the_lowest_numbered_members_moments(tmp_path):
+    """Slot 1 leaves at step 6, slot 0 at step 10: slot 1, admitted after the sync at 12, takes
+    slot 2's moments."""
+    run = run_of(config(membership="0:4,6:-1,9:+1,10:-0"), tmp_path / "n")
+    step_to(run, 5)
+    cursor = run.samplers[1].state()
+    step_to(run, 11)
+    assert run.pacing.members(11) == [False, False, True, True] and run.samplers[1].state() == cursor
+    run.step()
+    params, moments = arrays(run.workers.params), {k: v for k, v in arrays(run.workers.optimizer.state).items()
+                                                   if v.ndim}
+    assert all(np.array_equal(params[k][1], v) for k, v in arrays(run.global_params()).items())
+    assert all(np.array_equal(v[1], v[2]) for v in moments.values())
+    assert any(not np.array_equal(v[1], v[0]) for v in moments.values())
+    summary = run.train()
+    assert summary["tokens_per_shard"] == [9 * 64, 9 * 64, 16 * 64, 16 * 64]
+    assert summary["inner_steps_lost"] == [1, 1, 0, 0]
 
 
 def test_two_fragments_admit_a_joiner_with_every_fragments_global_values(tmp_path):

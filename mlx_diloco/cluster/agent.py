@@ -28,6 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .. import hub, run_folder
+from ..atomic import atomic_write_text
 from ..config import ConfigError, TrainConfig
 from ..exchange.watchdog import WATCHDOG_EXIT_MARK
 from ..worker_job import WorkerJob
@@ -173,13 +174,20 @@ class Agent:
             config = TrainConfig.from_dict(msg["config"])  # its strategy options: the worker checks them
         except (ConfigError, TypeError) as e:
             raise Refused(f"invalid job config: {e}")
-        hostfile = msg["hostfile"]
-        _need(len(hostfile) == config.workers and 0 <= msg["rank"] < config.workers,
+        hostfile, elastic = msg["hostfile"], msg.get("elastic") or {}  # elastic: the ring holds the members
+        ring = len(elastic.get("ring_slots") or []) or config.workers
+        _need(len(hostfile) == ring and 0 <= msg["rank"] < ring,
               "the hostfile must have one entry per worker, and rank must index it")
         _need(all(isinstance(e, list) and e and all(isinstance(a, str) and _ADDRESS.fullmatch(a) for a in e)
                   for e in hostfile), "hostfile entries must be lists of 'ip:port'")
         _need(0 <= msg["worker_id"] < 4096 and 0 < msg["collective_timeout"] <= 86400, "worker_id or timeout out of range")
         _need(msg["resume_step"] is None or msg["resume_step"] >= 0, "resume_step must be >= 0")
+        slots = elastic.get("ring_slots")
+        _need(slots is None or (len(slots) == len(hostfile) and len(set(slots)) == len(slots)
+                                and all(isinstance(w, int) and 0 <= w < 4096 for w in slots)),
+              "ring_slots must name one distinct worker id per hostfile entry")
+        _need(all(isinstance(w, int) for w in elastic.get("joiners") or []), "joiners must be worker ids")
+        _need(isinstance(elastic.get("membership") or "", str), "membership must be a string")
         with self.lock:
             old = self.jobs.get(msg["job"])
             _need(old is None or old.popen.poll() is not None, f"job {msg['job']} is already running here; stop it first")
@@ -192,9 +200,12 @@ class Agent:
                 # The memory this machine offers is a limit its worker keeps to, not only a number
                 # the launcher checks: MLX waits for queued work before allocating past it.
                 config = replace(config, memory_limit=round(self.max_memory / 1e9, 3))
+            control = folder / "control.json"
+            control.unlink(missing_ok=True)  # an old request must not stop the new worker
             WorkerJob(config.to_dict(), str(run_dir), own_run_dir=True, data_worker=msg["worker_id"],
                       collective_timeout=msg["collective_timeout"], progress=str(folder / "progress.json"),
-                      resume_step=msg["resume_step"], **data).write(job)
+                      resume_step=msg["resume_step"], ring_slots=slots, membership=elastic.get("membership"),
+                      joiners=elastic.get("joiners"), control=str(control) if elastic else None, **data).write(job)
             (folder / "hostfile.json").write_text(json.dumps(hostfile))
             (folder / "progress.json").unlink(missing_ok=True)
             env = {**os.environ, "MLX_RANK": str(msg["rank"]), "MLX_HOSTFILE": str(folder / "hostfile.json")}
@@ -239,6 +250,17 @@ class Agent:
         """Steps of the complete checkpoints of this machine's workers in the job: {worker_id: [steps]}."""
         return {"steps": {wdir.name.split("-", 1)[1]: run_folder.steps(wdir)
                           for wdir in self._job_dir(msg["job"]).glob("worker-*")}}
+
+    def on_save_and_exit(self, msg):
+        """Ask this machine's worker to save its state and exit (run.StopRequests): `now`, at the end of
+        its step, or `at_sync` from step `after` on. A worker that waits on a lost peer does not read it:
+        the launcher stops it after a grace period, and it resumes from the state it saved before."""
+        folder = self._job_dir(msg["job"])
+        _need(msg["when"] in ("now", "at_sync") and isinstance(msg.get("after", 0), int), "when: now or at_sync")
+        request = {"stop": msg["when"], "after": msg.get("after", 0)}
+        if folder.is_dir():
+            atomic_write_text(folder / "control.json", json.dumps(request))
+        return {}
 
     def on_stop(self, msg):
         self._job_dir(msg["job"])

@@ -67,7 +67,8 @@ class EmulatedCluster:
             ["ip", "netns", "exec", f"mdt{i}", sys.executable, "-m", "mlx_diloco", "agent", "--name", f"host{i}",
              "--port", str(PORT), "--state-dir", str(self.folder / f"host{i}"),
              *(["--max-memory", str(self.max_memory[i])] if i in self.max_memory else [])],
-            stdout=log, stderr=subprocess.STDOUT, env={**self.env, **self.host_env.get(i, {})})
+            stdout=log, stderr=subprocess.STDOUT, env={**self.env, **self.host_env.get(i, {})},
+            cwd=self.folder)  # not a source checkout: `-m mlx_diloco` finds the package its PYTHONPATH names
         if wait:
             self.wait_ready(i)
 

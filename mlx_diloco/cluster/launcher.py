@@ -6,9 +6,14 @@
    workers through their agents.
 4. Watch: every agent is polled twice a second (the heartbeat). Rank 0's metrics are mirrored
    into this run folder's metrics.jsonl, so `mlx-diloco plot` compares cluster and sim runs.
-5. On a failure (a worker exits, stalls, or its agent stops answering) stop the round and restart
-   every worker from the newest outer-step checkpoint they all hold: with the machines that remain
-   (`--on-loss shrink`) or once the lost one answers again (`--on-loss wait`).
+5. On a failure (a worker exits, stalls, or its agent stops answering), for a strategy that syncs
+   every H steps (an elastic job): every worker saves its own state at the end of the step it is in
+   (or resumes from the one it saved before the exchange it waits in), and a new ring of the machines
+   that remain starts from those states: nobody loses the inner steps they took but the lost worker.
+   A machine that answers again, or one named with --add, joins at the next sync point, taking the
+   job's state from a member over the ring (`Run._admit_joiners`). Below --min-workers (all of them
+   with `--on-loss wait`) the job waits for its lost machines. Other strategies restart every worker
+   from the newest checkpoint they all hold.
 
 Everything the launcher knows is in RUN/launch.json, so `launch --resume --run-dir RUN` after a
 launcher crash re-attaches to the running workers, or restarts them from their checkpoints.
@@ -17,8 +22,9 @@ launcher crash re-attaches to the running workers, or restarts them from their c
 import json
 import secrets
 import sys
+import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -27,8 +33,9 @@ from .. import hub
 from ..atomic import atomic_write_text
 from ..config import ConfigError, TrainConfig
 from ..training.metrics import MetricsLog, human_bytes
+from ..worker_job import STOPPED_FOR_CHANGE
 from . import protocol
-from .discovery import AgentClient, AgentError, Found
+from .discovery import AgentClient, AgentError, Found, parse_hosts
 from .ringplan import plan_ring
 
 
@@ -53,6 +60,11 @@ class Options:
     startup_timeout: float = 300.0      # s a worker may take to report its first step
     max_restarts: int = 5
     data_on_workers: bool = False       # the config's data path exists on every machine
+    min_workers: int = 1                # the fewest workers an elastic job goes on with; below, it waits
+    max_workers: int = 0                # the most workers machines joining make (0: --workers)
+    add: str = ""                       # agents (HOST[:PORT],...) to admit as they answer, up to max_workers
+    discover: bool = False              # the agents were found over mDNS: new ones found there may join
+    stop_grace: float = 5.0             # s a worker has to save its state and exit before it is stopped
 
 
 @dataclass
@@ -66,6 +78,11 @@ class JobState:
     data_files: dict = field(default_factory=dict)   # worker_id -> {file name: sha256}
     restarts: int = 0
     finished: bool = False
+    elastic: bool = False     # the strategy syncs every H steps: membership changes keep the workers' steps
+    membership: str = ""      # who left and joined so far (membership.py's syntax; '': the config's schedule)
+    spares: list = field(default_factory=list)    # machines of the job outside the ring (lost, left, added)
+    joining: list = field(default_factory=list)   # slots that join at the next start, from a member's state
+    change: dict = field(default_factory=dict)    # the membership change under way: what and its clock
 
     def save(self, run_dir: Path):
         atomic_write_text(run_dir / "launch.json", json.dumps(asdict(self), indent=1))
@@ -77,11 +94,44 @@ class JobState:
             raise ConfigError(f"no launch.json in {run_dir}: nothing to resume; drop --resume to start a job")
         state = cls(**json.loads(path.read_text()))
         state.members = [Member(**m) for m in state.members]
+        state.spares = [Member(**m) for m in state.spares]
         return state
 
 
 class JobFailed(Exception):
     pass
+
+
+def check_bounds(options: Options, workers: int):
+    """--min-workers and --max-workers around --workers, or one line saying which to change."""
+    if not 1 <= options.min_workers <= workers:
+        raise ConfigError(f"--min-workers must be between 1 and --workers ({workers}), got {options.min_workers}")
+    if options.max_workers and options.max_workers < workers:
+        raise ConfigError(f"--max-workers ({options.max_workers}) is below --workers ({workers}); raise it, or drop "
+                          "it to let the job grow back to --workers")
+
+
+def with_room_to_grow(config: TrainConfig, max_workers: int, elastic: bool) -> tuple:
+    """--max-workers above --workers: the job gets a slot (a worker id and its data shard) for each
+    worker it may grow to, and the slots above --workers start out of it, waiting for machines to
+    join. Returns the config over all the slots and the membership history that says so."""
+    if max_workers <= config.workers:
+        return config, ""
+    if not elastic:
+        raise ConfigError(f"--max-workers needs a strategy that syncs every H steps (diloco, streaming, ...), "
+                          f"not {config.strategy}; drop --max-workers")
+    if config.membership:
+        raise ConfigError("--max-workers and --membership both say who trains when; drop one of them")
+    return replace(config, workers=max_workers), ",".join(f"0:-{w}" for w in range(config.workers, max_workers))
+
+
+def planned_members(config: TrainConfig, step: int) -> list:
+    """The slots the config's membership schedule has as members at `step` (all without one)."""
+    from ..membership import Schedule, Timeline
+    schedule = Schedule.of(config)
+    if schedule is None:
+        return list(range(config.workers))
+    return sorted(Timeline(schedule, sync_every=1, offsets=[0], steps=config.steps).members(step))
 
 
 def cut_shards(config: TrainConfig, num_shards: int, folder: Path, log=print) -> dict:
@@ -149,15 +199,21 @@ class Launcher:
         self.clients = {}
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.events = self.run_dir / "events.jsonl"
+        self.last_steps = {}      # each worker's last reported step: where a lost one left
+        self.pending_join = None  # a machine admitted at the next sync point
+        self.discovered = []      # agents found on mDNS since the last look
         (self.run_dir / "logs").mkdir(exist_ok=True)  # each worker's output, copied as it comes
 
     # ------------------------------------------------------------ setup
     @classmethod
     def new(cls, config: TrainConfig, found: list, run_dir: Path, secret: bytes, options: Options, log=print):
         from ..training.resolve import resolve
+        check_bounds(options, config.workers)
         check_model_here(config.model)
         run_dir, resolved = Path(run_dir), resolve(config)
         config = resolved.config
+        elastic = resolved.strategy.steps_can_differ and bool(resolved.strategy.sync_every)
+        grown, history = with_room_to_grow(config, options.max_workers, elastic)
         if (run_dir / "launch.json").exists():
             raise ConfigError(f"{run_dir} already holds a job; pass --resume to continue it, or another --run-dir")
         reachable, agents, clients = [], [], []
@@ -179,7 +235,15 @@ class Launcher:
         members = [Member(f.address, f.port, worker_id=w, host=a["host"])
                    for w, (f, a) in enumerate(zip(reachable, agents))]  # start() orders the ring
         job = f"{run_dir.name[:40]}-{secrets.token_hex(3)}".replace(" ", "_")
-        state = JobState(job, config.to_dict(), members, config.workers, asdict(options))
+        config = grown
+        state = JobState(job, config.to_dict(), members, config.workers, asdict(options), elastic=elastic,
+                         membership=history)
+        # A planned schedule starts with its first members; the other machines wait for their slots' turn.
+        first = planned_members(config, 0)
+        state.members, state.spares = [m for m in members if m.worker_id in first], \
+            [m for m in members if m.worker_id not in first]
+        state.spares += [Member(f.address, f.port, worker_id=-1, host=f.endpoint)
+                         for f in parse_hosts(options.add, protocol.DEFAULT_PORT)]
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
         launcher = cls(state, run_dir, secret, log)
@@ -191,7 +255,8 @@ class Launcher:
     def client(self, m: Member) -> AgentClient:
         key = (m.address, m.port)
         if key not in self.clients:
-            self.clients[key] = AgentClient(m.found, self.secret)
+            # A sleeping Mac must not hold a poll past the heartbeat timeout (a 4 MB chunk takes 3 s at 10 Mbit/s).
+            self.clients[key] = AgentClient(m.found, self.secret, timeout_s=self.options.heartbeat_timeout + 1)
         return self.clients[key]
 
     def event(self, kind: str, **detail):
@@ -233,20 +298,41 @@ class Launcher:
         members = self.state.members = [members[i] for i in order]
         ports = [self.client(m).request("prepare", job=self.state.job)["port"] for m in members]
         hostfile = [[f"{a}:{p}"] for a, p in zip(addresses, ports)]
-        config = {**self.state.config, "workers": len(members)}
+        config, elastic = {**self.state.config, "workers": len(members)}, {}
+        resume = {m.worker_id: resume_step for m in members}
+        if self.state.elastic:  # the config keeps the job's slots; the ring holds the members
+            config, resume = self.state.config, self._own_states()
+            elastic = {"ring_slots": [m.worker_id for m in members], "joiners": self.state.joining,
+                       "membership": self.state.membership}
         for m in members:
             self.ship(m)
         for rank, m in enumerate(members):
             files = self.state.data_files.get(str(m.worker_id))
             self.client(m).request(
                 "start", job=self.state.job, rank=rank, worker_id=m.worker_id, config=config, hostfile=hostfile,
-                resume_step=resume_step, collective_timeout=float(self.options.collective_timeout),
-                data={"files": files, "num_shards": self.state.num_shards} if files else {})
+                resume_step=resume[m.worker_id], collective_timeout=float(self.options.collective_timeout),
+                data={"files": files, "num_shards": self.state.num_shards} if files else {}, elastic=elastic)
         self.state.save(self.run_dir)
-        self.event("started", workers=len(members), resume_step=resume_step,
+        self.event("started", workers=len(members), resume_step=resume_step if not elastic else resume,
                    ring=" -> ".join(f"{m.host or m.address}({link})" for m, link in zip(members, links)))
         self.started_at = time.time()
         return False  # not done: now watch it
+
+    def _own_states(self) -> dict:
+        """The step each member resumes from (None: it starts afresh, a joiner or a new job): its newest
+        saved state. With exchanges that overlap inner steps, the newest state every member holds
+        instead: a worker that stalled may be behind an exchange the others started, and the ring must
+        pair each worker's exchanges with the same ones of the others. A job whose members did not all
+        save a state yet starts again from the beginning."""
+        held = {m.worker_id: set(self.client(m).request("checkpoints", job=self.state.job)["steps"]
+                                 .get(str(m.worker_id), []))
+                for m in self.state.members if m.worker_id not in self.state.joining}
+        if self.state.config.get("overlap_steps"):
+            common = set.intersection(*held.values()) if held else set()
+            held = {w: common for w in held}
+        if not all(held.values()):
+            return {m.worker_id: None for m in self.state.members}
+        return {m.worker_id: max(held[m.worker_id]) if m.worker_id in held else None for m in self.state.members}
 
     def run(self, resume: bool = False) -> dict:
         """Start (or re-attach to) the job and see it through to the end."""
@@ -254,9 +340,16 @@ class Launcher:
             self.log(f"job {self.state.job} already finished")
             return self.summary()
         done = self.reattach() if resume else self.start(resume_step=None)
+        if self.state.elastic and self.options.discover:
+            threading.Thread(target=self._browse_forever, daemon=True).start()
         while not done:
             failure = self.watch()
-            done = failure is None or self.recover(failure)
+            if failure is None:
+                done = True
+            elif failure.get("stopped"):  # every worker saved its state for a membership change
+                done = self.change_members(failure["stopped"])
+            else:
+                done = self.recover(failure)
         self.state.finished = True
         self.state.save(self.run_dir)
         return self.summary()
@@ -273,6 +366,9 @@ class Launcher:
             self.event("reattached", workers=len(states))
             self.started_at = time.time()
             return False
+        if all(s.get("returncode") == STOPPED_FOR_CHANGE for s in states):  # the launcher died during a change
+            self.event("reattached", workers=len(states), during="a membership change")
+            return self.change_members({m.worker_id: s["progress"]["stopped"] for m, s in zip(self.state.members, states)})
         return self.recover("workers not running on re-attach")
 
     def watch(self):
@@ -282,6 +378,7 @@ class Launcher:
                    file=sys.stderr, dynamic_ncols=True)
         last_ok = {m.worker_id: time.time() for m in self.state.members}
         seen = 0  # rank 0's metrics lines mirrored since the (re)start
+        next_look = time.time()  # machines to admit: looked for every 2 s
         try:
             while True:
                 time.sleep(0.5)
@@ -302,6 +399,14 @@ class Launcher:
                 if failure:
                     return failure
                 progress = [s["progress"] for s in states.values() if s.get("progress")]
+                self.last_steps.update({w: s["progress"]["step"] for w, s in states.items() if s.get("progress")})
+                self._note_first_steps(progress)
+                if states and len(states) == len(self.state.members) and \
+                        all(s["state"] == "exited" and s["returncode"] == STOPPED_FOR_CHANGE for s in states.values()):
+                    return {"stopped": {w: s["progress"]["stopped"] for w, s in states.items()}}
+                if self.state.elastic and time.time() > next_look:
+                    self.look_for_joiners()
+                    next_look = time.time() + 2
                 if progress:
                     bar.n = min(p["step"] for p in progress)
                     bar.set_postfix_str("  ".join(
@@ -339,6 +444,8 @@ class Launcher:
             p = s.get("progress")
             if s["state"] == "unknown":
                 found.append((1, f"the agent of {who} no longer knows the job"))
+            elif s["state"] == "exited" and s["returncode"] == STOPPED_FOR_CHANGE:
+                continue  # saved its state for a membership change: the others follow
             elif s["state"] == "exited" and s["returncode"] < 0:
                 found.append((0, f"{who} failed: it was killed by signal {-s['returncode']}"))
             elif s["state"] == "exited" and s["returncode"] != 0 and s.get("watchdog"):
@@ -376,6 +483,8 @@ class Launcher:
         self.state.restarts += 1
         if self.state.restarts > self.options.max_restarts:
             raise JobFailed(f"gave up after {self.options.max_restarts} restarts; last failure: {failure['why']}")
+        if self.state.elastic:
+            return self._recover_keeping_steps(failure)
         lost = set(failure["lost"])
         for m in self.state.members:
             try:
@@ -397,6 +506,210 @@ class Launcher:
             return True
         self.metrics.truncate_after(step if step is not None else -1)
         return self.start(resume_step=step)
+
+    # ------------------------------------------------------------ membership changes (elastic jobs)
+    def _held(self) -> set:
+        return {m.worker_id for m in self.state.members}
+
+    def _recover_keeping_steps(self, failure: dict) -> bool:
+        """Every worker saves its own state and exits; the machines that answer form the next ring, each
+        worker resuming from its own state. A lost machine's slot leaves (its round is lost; its shard
+        waits for a joiner), or, below --min-workers, the job waits for it to answer again."""
+        self._begin_change("lost")
+        self.pending_join = None  # looked for again once the ring runs
+        lost = self._save_and_stop(set(failure["lost"]))
+        if lost:
+            fewest = len(self.state.members) if self.options.on_loss == "wait" else self.options.min_workers
+            if len(self.state.members) - len(lost) < max(1, fewest):
+                self._wait_for(lost)  # they resume from their own states
+            else:
+                self._leave([m for m in self.state.members if m.worker_id in lost])
+        return self._restart_from_own_states()
+
+    def _save_and_stop(self, lost: set) -> set:
+        """Ask every worker to save its state at the end of its step and exit; stop those that have not
+        after the grace period (they wait on a lost peer, and resume from the state they saved before
+        that exchange). Returns the workers whose machines no longer answer."""
+        for m in self.state.members:
+            if m.worker_id not in lost:
+                try:
+                    self.client(m).request("save_and_exit", job=self.state.job, when="now", after=0)
+                except AgentError:
+                    lost.add(m.worker_id)
+        deadline = time.time() + self.options.stop_grace
+        waiting = [m for m in self.state.members if m.worker_id not in lost]
+        while waiting and time.time() < deadline:
+            time.sleep(0.2)
+            waiting = [m for m in waiting if self._still_running(m) and not self._saved_all_it_did(m)]
+        for m in waiting:
+            self.log(f"[launch] worker {m.worker_id} ({m.host}) did not save within {self.options.stop_grace:g} s: "
+                     "it resumes from the newest state it saved")
+        for m in self.state.members:
+            if m.worker_id not in lost:  # a lost machine's agent would keep us waiting for its timeout
+                try:
+                    self.client(m).request("stop", job=self.state.job)
+                except AgentError:
+                    lost.add(m.worker_id)
+            self.clients.pop((m.address, m.port), None)
+        self.state.change["stopped_at"] = time.time()
+        return lost
+
+    def _still_running(self, m: Member) -> bool:
+        """Whether its worker still runs; notes the last step it reported."""
+        try:
+            status = self.client(m).request("status", job=self.state.job, metrics_from=0, log_from=protocol.NO_LOG)
+        except AgentError:
+            return False
+        if status.get("progress"):
+            self.last_steps[m.worker_id] = status["progress"]["step"]
+        return status["state"] == "running"
+
+    def _saved_all_it_did(self, m: Member) -> bool:
+        """Whether the worker holds a state saved at the last step it reported: it waits in an exchange
+        (with a lost peer it never returns from), having saved before it; stopping it loses nothing."""
+        try:
+            held = self.client(m).request("checkpoints", job=self.state.job)["steps"].get(str(m.worker_id), [])
+        except AgentError:
+            return False
+        return bool(held) and max(held) >= self.last_steps.get(m.worker_id, 0)
+
+    def _leave(self, lost: list):
+        """The lost machines' slots leave the job from the step after the last one each reported."""
+        for m in lost:
+            step = self.last_steps.get(m.worker_id, 0) + 1
+            self._record(step, f"-{m.worker_id}")
+            self.state.members.remove(m)
+            self.state.spares.append(m)
+            self.event("left", worker=m.worker_id, host=m.host, step=step, workers=len(self.state.members))
+
+    def _record(self, step: int, what: str):
+        """Add `step:what` to the job's membership history, in step order."""
+        history = (self.state.membership or self.state.config.get("membership")
+                   or f"0:{self.state.num_shards}").split(",")
+        at = next((i for i, e in enumerate(history) if int(e.split(":")[0]) > step), len(history))
+        self.state.membership = ",".join(history[:at] + [f"{step}:{what}"] + history[at:])
+
+    def _browse_forever(self):
+        """Agents that appear on mDNS during the run (a Mac that comes home), for look_for_joiners."""
+        from .discovery import browse
+        while True:
+            self.discovered += browse(2.0)
+            time.sleep(3)
+
+    def look_for_joiners(self):
+        """While the ring has room and a free slot, admit a machine that answers (a lost one, one named
+        with --add, or one new on mDNS) at the next sync point: ask every member to save and exit there."""
+        known = {(m.address, m.port) for m in self.state.members + self.state.spares}
+        found, self.discovered = self.discovered, []
+        self.state.spares += [Member(f.address, f.port, worker_id=-1, host=f.endpoint)
+                              for f in {(f.address, f.port): f for f in found}.values()
+                              if (f.address, f.port) not in known]
+        cap = self.options.max_workers or self.state.num_shards
+        free = sorted(set(range(self.state.num_shards)) - self._held())
+        if self.pending_join or len(self.state.members) >= cap or not free or not self._can_admit():
+            return
+        for m in list(self.state.spares):
+            if self._ready_to_join(m):
+                m.worker_id = m.worker_id if m.worker_id in free else free[0]
+                self.pending_join = m
+                after = max(self.last_steps.values(), default=0) + 2  # a step no member has reached
+                self._begin_change("join")
+                for member in self.state.members:
+                    self.client(member).request("save_and_exit", job=self.state.job, when="at_sync", after=after)
+                self.event("joining", worker=m.worker_id, host=m.host, after_step=after)
+                return
+
+    def _can_admit(self) -> bool:
+        """Whether the job admits machines mid-run: not with a planned schedule (it decides who joins
+        when), nor with exchanges in flight across steps or error feedback (a joiner has no part in them)."""
+        c = self.state.config
+        return not (c.get("membership") or c.get("overlap_steps") or c.get("error_feedback"))
+
+    def _ready_to_join(self, m: Member) -> bool:
+        """Whether machine `m` answers, runs this version and holds the model. A machine that answers
+        but cannot take part (another mlx-diloco version, another cluster's secret) is refused once,
+        in an event naming why and the fix, and left out."""
+        try:
+            client = AgentClient(m.found, self.secret, timeout_s=0.5)  # (a sleeping Mac must not hold up the watch)
+            agent = client.hello()
+            if hub.names_files(self.state.config["model"]) and not has_model(client, self.state.config["model"]):
+                return False
+            client.request("stop", job=self.state.job)  # a worker of this job still running there (it slept)
+        except ConfigError as e:
+            self.state.spares.remove(m)
+            self.event("refused", host=m.host, why=str(e))
+            return False
+        except AgentError:
+            return False
+        m.host = agent["host"]
+        self.clients[(m.address, m.port)] = client
+        return True
+
+    def change_members(self, stopped: dict) -> bool:
+        """Every member saved its state at the same step for a membership change: the machine asked to
+        join joins, or the members the schedule plans from the next step on form the ring."""
+        step = max(info["step"] for info in stopped.values())
+        self.last_steps.update({int(w): info["step"] for w, info in stopped.items()})
+        if not self.state.change:
+            self._begin_change("planned")
+        # The change costs from the moment the first worker stopped training (a joiner waits for a sync point).
+        self.state.change["began"] = min(info["time"] for info in stopped.values())
+        self.state.change["stopped_at"] = max(info["time"] for info in stopped.values())
+        joiner, self.pending_join = self.pending_join, None
+        if joiner:
+            self._record(step, f"+{joiner.worker_id}")
+            self._join(joiner)
+        elif self.state.config.get("membership"):  # (else a join asked for before a launcher restart: looked for again)
+            planned = set(next(iter(stopped.values()))["members"])
+            for m in [m for m in self.state.members if m.worker_id not in planned]:
+                self.state.members.remove(m)
+                self.state.spares.append(m)
+                self.event("left", worker=m.worker_id, host=m.host, step=step + 1, workers=len(self.state.members))
+            for slot in sorted(planned - self._held()):
+                spare = next((m for m in self.state.spares if m.worker_id == slot and self._ready_to_join(m)), None)
+                if spare is None:
+                    raise JobFailed(f"the membership schedule admits worker {slot} after step {step}, but its "
+                                    "machine does not answer")
+                self._join(spare)
+        return self._restart_from_own_states()
+
+    def _join(self, m: Member):
+        self.state.spares.remove(m)
+        self.state.members.append(m)
+        self.state.joining.append(m.worker_id)
+        self.event("joined", worker=m.worker_id, host=m.host, workers=len(self.state.members))
+
+    def _begin_change(self, kind: str):
+        self.state.change = {"kind": kind, "began": time.time()}
+
+    def _restart_from_own_states(self) -> bool:
+        """Start the ring of the members from their own states (True: they had all finished)."""
+        self.state.save(self.run_dir)
+        steps = self._own_states()
+        if all(s == self.state.config["steps"] for w, s in steps.items() if w not in self.state.joining):
+            self._mirror_all()
+            self.event("finished", step=self.state.config["steps"])
+            return True
+        self.state.change["redone_steps"] = {str(w): self.last_steps.get(w, 0) - s for w, s in steps.items()
+                                             if s is not None and w in self.last_steps}
+        self.metrics.truncate_after(min([s for s in steps.values() if s is not None], default=-1))
+        self.start(resume_step=None)
+        self.state.change["started_at"] = time.time()
+        return False
+
+    def _note_first_steps(self, progress: list):
+        """Once every worker of a new ring has taken a step: the change is over; report its cost."""
+        change = self.state.change
+        if not change or "started_at" not in change or len(progress) < len(self.state.members):
+            return
+        now, began = time.time(), change["began"]
+        self.event("membership_change", change=change["kind"], workers=len(self.state.members),
+                   stop_s=round(change["stopped_at"] - began, 2), start_s=round(change["started_at"] -
+                                                                                 change["stopped_at"], 2),
+                   first_step_s=round(now - change["started_at"], 2), total_s=round(now - began, 2),
+                   redone_steps=change.get("redone_steps", {}))
+        self.state.change, self.state.joining = {}, []
+        self.state.save(self.run_dir)
 
     def _mirror_all(self):
         try:
@@ -424,6 +737,9 @@ class Launcher:
             common = steps if common is None else common & steps
         return max(common) if common else None
 
+    def _events(self) -> list:
+        return [json.loads(line) for line in self.events.read_text().splitlines()] if self.events.exists() else []
+
     def summary(self) -> dict:
         rows = MetricsLog.read(self.metrics.path) if self.metrics.path.exists() else []
         last = rows[-1] if rows else {}
@@ -431,6 +747,8 @@ class Launcher:
                    "workers": len(self.state.members), "steps": last.get("step"), "tokens": last.get("tokens"),
                    "final_eval_loss": last.get("eval_loss"), "restarts": self.state.restarts,
                    "bytes_sent_per_worker": last.get("bytes_sent_per_worker"), "utilisation": last.get("utilisation"),
-                   "compute_s": last.get("compute_s"), "wall_s": last.get("wall_s")}
+                   "compute_s": last.get("compute_s"), "wall_s": last.get("wall_s"),
+                   "tokens_per_shard": last.get("tokens_per_shard"), "inner_steps_lost": last.get("inner_steps_lost"),
+                   "membership_changes": [e for e in self._events() if e["event"] == "membership_change"]}
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=1))
         return summary

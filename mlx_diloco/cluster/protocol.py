@@ -26,7 +26,7 @@ import struct
 
 import msgpack
 
-VERSION = 1
+VERSION = 2  # 2: membership changes (save_and_exit, elastic starts)
 DEFAULT_PORT = 52525
 MAX_FRAME = 8 << 20          # bytes; data is sent in chunks well below this
 FIRST_FRAME = 4 << 10        # bytes: the limit until a frame has proven the peer holds the secret
@@ -64,6 +64,7 @@ SCHEMAS = {
               "data": (dict,), "resume_step": (int, type(None)), "collective_timeout": (float, int)},
     "status": {"job": (str,), "metrics_from": (int,), "log_from": (int,)},
     "checkpoints": {"job": (str,)},
+    "save_and_exit": {"job": (str,), "when": (str,), "after": (int,)},
     "stop": {"job": (str,)},
 }
 

@@ -456,5 +456,11 @@ class ShardSampler:
     def state(self) -> dict:
         return {"epoch": self.epoch, "pos": self.pos}
 
+    def seek(self, examples: int):
+        """Where the cursor is after `examples` examples drawn from the start (a joiner takes over a
+        shard where the worker that left it stopped)."""
+        epoch, pos = divmod(examples, len(self.shard))
+        self.load_state({"epoch": epoch, "pos": pos})
+
     def load_state(self, state: dict):
         self.epoch, self.pos, self._order = int(state["epoch"]), int(state["pos"]), None

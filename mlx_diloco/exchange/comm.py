@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from .codecs import CHECK_BYTES, Codec, get_codec, unit_of
 from .worker_axis import flatten_workers, stack_copies, unflatten
@@ -298,6 +298,18 @@ class Communicator:
             out = self._gather_workers(values.astype(mx.float32))
         with self._watched():
             return out.tolist()
+
+    def broadcast(self, tree, source: int):
+        """The values of a tree held by the process hosting worker `source`, to every process: a sum
+        to which every other process adds zeros, so the values arrive exact."""
+        mine = source in self.local_workers
+        flat = sorted(tree_flatten(tree), key=lambda kv: kv[0])  # one order in every process (a state read back is sorted)
+        summed = []
+        with self._blocked():
+            for _, v in flat:  # one at a time: MLX may order a graph's independent collectives differently in each process
+                summed.append(self._sum_workers((v if mine else mx.zeros_like(v))[None]))
+                mx.eval(summed[-1])
+        return tree_unflatten([(k, v) for (k, _), v in zip(flat, summed)])
 
     def broadcast_local(self, tree):
         """Give every local worker the same values: (...) -> (n_local, ...)."""

@@ -9,12 +9,21 @@ from ..membership import Schedule, Timeline
 from ..speeds import Speeds
 
 
+def sync_offsets(strategy) -> list:
+    """The steps mod H at which the strategy's fragments sync (a strategy without fragments: 0)."""
+    return [f.offset for f in getattr(strategy, "model_fragments", [])] or [0]
+
+
 class Pacing:
-    def __init__(self, config, strategy, comm, log=print):
-        """`strategy`: set up (a membership schedule reads its fragments' sync offsets)."""
-        self.strategy, self.comm, self.log, self.workers = strategy, comm, log, config.workers
+    def __init__(self, config, strategy, comm, slots: list, history: str = None, log=print):
+        """`strategy`: set up (a membership schedule reads its fragments' sync offsets). `slots`: the
+        job's worker ids of this process's workers. `history`: who joined and left so far on an elastic
+        cluster, whose ring holds the members only (default: the config's schedule, all it plans)."""
+        self.strategy, self.comm, self.log, self.workers, self.slots = strategy, comm, log, config.workers, slots
         self.speeds = Speeds.of(config)  # None: every worker is as fast as the others
-        self.timeline = self._timeline(config, strategy)  # None: the membership is fixed
+        self.planned = self._timeline(Schedule.of(config), strategy, config.steps)  # None: the membership is fixed
+        self.timeline = self._timeline(Schedule.from_text(history, config.workers), strategy, config.steps) \
+            if history else self.planned
         # Time-paced without given speeds (a real cluster): measured over the first round.
         self.measuring = config.speed_policy == "time" and self.speeds is None and config.workers > 1
         if self.speeds and self.speeds.policy == "time":
@@ -24,27 +33,29 @@ class Pacing:
         """Workers take the steps that fit a round: weigh each worker's pseudo-gradient by the
         tokens it processed."""
         weights = self.speeds.sync_weights(self.strategy.sync_every)  # every worker steps in a round
-        self.strategy.sync_weights = [weights[w] for w in self.comm.local_workers]
+        self.strategy.sync_weights = [weights[w] for w in self.slots]
 
     @staticmethod
-    def _timeline(config, strategy):
-        """The membership schedule over the run's steps and the strategy's sync points (each of its
-        fragments syncs every H steps at its offset; a strategy without fragments, at multiples of H)."""
-        schedule = Schedule.of(config)
-        if schedule is None:
-            return None
-        offsets = [f.offset for f in getattr(strategy, "model_fragments", [])] or [0]
-        return Timeline(schedule, strategy.sync_every, offsets, config.steps)
+    def _timeline(schedule, strategy, steps: int):
+        """A membership schedule over the run's steps and the strategy's sync points (each of its
+        fragments syncs every H steps at its offset)."""
+        return schedule and Timeline(schedule, strategy.sync_every, sync_offsets(strategy), steps)
 
     def members(self, tick: int):
         """Which local workers are members of the job at this tick (a membership schedule; tick 0:
         at the start); None when all are."""
-        n = self.member_count(tick)
-        return None if n == self.workers else [w < n for w in self.comm.local_workers]
+        if self.member_count(tick) == self.workers:
+            return None
+        members = self.timeline.members(tick)
+        return [w in members for w in self.slots]
 
     def member_count(self, tick: int) -> int:
         """How many of the job's workers are members at this tick."""
-        return self.timeline.members(tick) if self.timeline else self.workers
+        return self.timeline.count(tick) if self.timeline else self.workers
+
+    def peer(self, tick: int) -> int:
+        """The job's worker whose inner optimizer state a worker admitted at this tick takes."""
+        return self.timeline.peer(tick)
 
     def active(self, tick: int):
         """Which local workers step at this tick; None when all do."""
@@ -53,7 +64,7 @@ class Pacing:
         if not self.speeds or self.speeds.policy == "fixed":
             return None
         active = self.speeds.active(tick)
-        return [active[w] for w in self.comm.local_workers]
+        return [active[w] for w in self.slots]
 
     def tick_seconds(self, step_s: float) -> float:
         """A tick's modelled duration, for a speed-1 step of `step_s` seconds."""
@@ -69,8 +80,32 @@ class Pacing:
         """Before the strategy's after_step: under a membership schedule, a sync at this tick weighs
         each worker's pseudo-gradient by the inner steps it took in the window the sync covers."""
         if self.timeline and (weights := self.timeline.sync_weights(tick)) is not None:
-            self.strategy.sync_weights = {offset: [factors[w] for w in self.comm.local_workers]
+            # Factors for a mean over the job's slots; a ring of the members alone averages over fewer.
+            ring = self.comm.num_workers / self.timeline.slots
+            self.strategy.sync_weights = {offset: [factors[w] * ring for w in self.slots]
                                           for offset, factors in weights.items()}
+
+    def is_sync_point(self, tick: int) -> bool:
+        """Whether a fragment of the model syncs at this tick (where a joiner can be admitted)."""
+        H = self.strategy.sync_every
+        return bool(H) and any((tick - o) % H == 0 for o in sync_offsets(self.strategy))
+
+    def exchanges_at(self, tick: int) -> bool:
+        """Whether an exchange starts or lands at this tick (every tick, for a strategy that is not periodic)."""
+        H = self.strategy.sync_every
+        delay = getattr(self.strategy, "overlap_steps", 0)
+        return not H or any((tick - o - lag) % H == 0 for o in sync_offsets(self.strategy) for lag in (0, delay))
+
+    def ring_changes(self, tick: int) -> list:
+        """The planned changes that need a new ring after this tick: joins admitted at it, leaves at the next."""
+        if not self.planned:
+            return []
+        joins = [c for c in self.planned.changes_between(tick - 1, tick) if c.joined]
+        return joins + [c for c in self.planned.changes_between(tick, tick + 1) if not c.joined]
+
+    def member_slots(self, tick: int) -> list:
+        """The job's members at this tick (all slots when the membership is fixed)."""
+        return sorted(self.timeline.members(tick)) if self.timeline else list(range(self.workers))
 
     def changes_between(self, start: int, tick: int) -> list:
         """The workers that leave or join at ticks in (start, tick] (membership.Change)."""

@@ -20,13 +20,13 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..atomic import atomic_write_text
 from ..config import ConfigError, TrainConfig
 from ..data.datasets import BatchStream, ShardSampler, oversized_batch
 from ..exchange.comm import Communicator, NonFiniteValues
 from ..exchange.ledger import ExchangeLedger
 from ..exchange.network import parse_link
 from ..exchange.worker_axis import flatten_workers, unflatten
-from ..membership import PEER
 from ..models.adapters import ADAPTERS, save_adapters
 from ..models.checkpointing import checkpoint_blocks
 from ..models.finetune import ADAPTER_TYPES, adapter_config, apply_fine_tune, is_quantized
@@ -50,6 +50,32 @@ class Placement:
     checkpoint_dir: str = None     # default: the run folder (rank 0) or run_dir/worker-RANK
     progress_path: str = None      # a small JSON file rewritten every step, for the agent to report
     resume_step: int = None        # resume from this checkpoint rather than the newest
+    # An elastic cluster (issue 24): the ring holds the job's current members only, and a membership
+    # change means new processes (MLX cannot re-form a ring inside one).
+    ring_slots: list = None        # the slot (worker id, data shard) of each ring rank (default: the rank)
+    membership: str = None         # who joined and left so far, membership.py's syntax (default: the config's)
+    joiners: list = None           # slots that join at this start, taking the job's state from a member
+    control_path: str = None       # the launcher's requests to save and exit (StopRequests)
+
+
+class StoppedForChange(Exception):
+    """This worker saved its state for a membership change; the launcher starts the job's next ring."""
+
+
+class StopRequests:
+    """What the launcher asks of an elastic cluster worker, in a JSON file its agent writes:
+    {"stop": "now"}: save at the end of this step and exit (a member was lost: the others keep their
+    steps); {"stop": "at_sync", "after": T}: the same at the first sync point from step T on (a
+    machine joins there)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+
+    def asked(self) -> dict:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):  # none yet (or being written: read again next step)
+            return {}
 
 
 @contextmanager
@@ -121,8 +147,11 @@ class Run:
             check_new_run_dir(self.run_dir)
         resolved = resolve(config) if parts is None else None
         self.config = config = resolved.config if resolved else config
-        if comm.num_workers != config.workers:
-            raise ConfigError(f"the job has {comm.num_workers} workers but the config says {config.workers}")
+        ring = len(place.ring_slots) if place.ring_slots else config.workers
+        if comm.num_workers != ring:
+            raise ConfigError(f"the job has {comm.num_workers} workers but the config says {ring}")
+        # The slots (worker ids, data shards) of this process's workers.
+        self.slots = [place.ring_slots[w] for w in comm.local_workers] if place.ring_slots else comm.local_workers
         if resolved is None:  # the caller's strategy (the API): checked against the config here
             config.check_strategy(parts.strategy)
         if reporter:  # report-to's packages, before any model or data is loaded
@@ -132,7 +161,7 @@ class Run:
         convert_model(model, config)
         self.strategy = parts.strategy.bind(comm, config.steps)
         self.strategy.setup(model.trainable_parameters())
-        self.pacing = Pacing(config, self.strategy, comm, log)
+        self.pacing = Pacing(config, self.strategy, comm, self.slots, place.membership, log)
         # Evaluations every outer step of a periodic strategy (else every 50 steps); checkpoints too.
         period = self.strategy.sync_every
         self.eval_every = config.eval_every or period or 50
@@ -144,7 +173,7 @@ class Run:
         self.workers = Workers(model, comm.n_local, config, self.strategy.inner_optimizer(config),
                                clip=self.strategy.clip_gradients, vectorize=vectorize, loss=parts.loss,
                                masked=self.data.masked_targets, log=log)
-        self.data_workers = comm.local_workers if place.data_worker is None else [place.data_worker]
+        self.data_workers = self.slots if place.data_worker is None else [place.data_worker]
         self.samplers = self._samplers(place.num_shards or config.workers)
         if reporter and not resume and (note := oversized_batch(config.batch_size, self.samplers)):
             log(note)
@@ -163,6 +192,9 @@ class Run:
             self._restore()
         elif reporter:  # everything checked out: only now create the run folder
             self._create_run_folder()
+        if place.joiners:
+            self._admit_joiners(place.joiners)
+        self.stop_requests = StopRequests(place.control_path) if place.control_path else None
         self.callbacks = self._own_callbacks(resume) + list(callbacks or [])
 
     def _samplers(self, num_shards: int) -> list:
@@ -204,6 +236,10 @@ class Run:
         with memory_limit(self.config.memory_limit):
             self._report("on_train_begin", {"step": self.steps_done, "steps": self.config.steps})
             while self.steps_done < self.config.steps:
+                if self.stop_requests and (why := self._why_stop()):
+                    self.save_local_state()
+                    self._report_stop(why)
+                    raise StoppedForChange(why)
                 self.step()
                 if stop_after is not None and self.steps_done >= stop_after:
                     break
@@ -215,6 +251,8 @@ class Run:
     def step(self, batch=None):
         """One tick of the job. `batch`: this process's (x, y), each with a leading axis over its
         workers (default: the next batch of each worker's shard)."""
+        if self.stop_requests and self._meets_peers(self.steps_done + 1):
+            self.save_local_state()  # a peer lost in the exchange ahead must not cost this worker its round
         self.end_step(self.inner_step(batch))
 
     def inner_step(self, batch=None) -> Tick:
@@ -304,15 +342,16 @@ class Run:
     # ------------------------------------------------------------ membership
     def _change_membership(self, step: int):
         """Report the workers that leave or join at `step`; joiners take the global model and a
-        member's inner optimizer state (membership.py), and step from the next step."""
+        member's inner optimizer state (membership.py), and step from the next step. On an elastic
+        cluster a new ring makes the change (`_why_stop`, `_admit_joiners`)."""
         changes = self.pacing.changes_between(step - 1, step)
         if self.reporter:
             for change in changes:
                 self.log(change.describe())
         joining = [c.worker for c in changes if c.joined]
-        if joining:
+        if joining and not self.stop_requests:
             self.workers.admit([w in joining for w in self.comm.local_workers], self.global_params(),
-                               self._inner_state_of(PEER))
+                               self._inner_state_of(self.pacing.peer(step)))
 
     def _inner_state_of(self, worker: int) -> dict:
         """Worker `worker`'s per-replica inner optimizer state ({path: value}, no worker axis), wherever
@@ -321,6 +360,87 @@ class Run:
         buffer, shapes = flatten_workers(tree_unflatten(state))
         row = self.comm.all_gather({"state": buffer}, tag="a joiner's inner optimizer state")["state"][worker]
         return dict(tree_flatten(unflatten(row, shapes)))
+
+    # ------------------------------------------------------------ an elastic cluster's membership changes
+    def _why_stop(self) -> str:
+        """Why this cluster worker saves its state and exits after the step it just took, if it does:
+        a change the schedule plans, or the launcher's request ('' when it goes on)."""
+        t, asked = self.steps_done, self.stop_requests.asked()
+        if self._ring_is_behind():
+            return f"step {t}: the membership schedule changes the ring"
+        if asked.get("stop") == "now":
+            return f"step {t}: stopped by the launcher (a member was lost)"
+        if asked.get("stop") == "at_sync" and t >= asked["after"] and self.pacing.is_sync_point(t):
+            return f"step {t}: stopped by the launcher at a sync point (a machine joins)"
+        return ""
+
+    def _ring_is_behind(self) -> bool:
+        """Whether the schedule plans a change the ring does not hold yet: a join admitted at this step,
+        or a leave at the next."""
+        ring = set(self.place.ring_slots or self.slots)
+        return any((c.worker in ring) != c.joined for c in self.pacing.ring_changes(self.steps_done))
+
+    def _meets_peers(self, step: int) -> bool:
+        """Whether `step` waits on the other workers: an exchange starts or lands, or an evaluation
+        or a checkpoint gathers them."""
+        return (self.pacing.exchanges_at(step) or step % self.eval_every == 0 or step == self.config.steps
+                or step % self.checkpoint_every == 0)
+
+    def save_local_state(self):
+        """This worker's own state (weights, moments, data cursor, the global model and outer state,
+        an exchange in flight) on its own disk, with no collective: a peer may be gone. What it resumes
+        from after a membership change, so it keeps the inner steps it took."""
+        if latest_step(self.checkpoint_dir) != self.steps_done:
+            arrays, meta = self.state()
+            checkpoint.save(self.checkpoint_dir, self.steps_done, arrays, meta)  # empties `arrays` as it writes
+
+    def _report_stop(self, why: str):
+        """Tell the launcher (through the progress file its agent reads) where this worker stopped and
+        who the members are from the next step on."""
+        if not self.place.progress_path:
+            return
+        path = Path(self.place.progress_path)
+        progress = json.loads(path.read_text()) if path.exists() else {}
+        members = self.pacing.member_slots(self.steps_done + 1)
+        atomic_write_text(path, json.dumps({**progress, "stopped": {"step": self.steps_done, "why": why,
+                                                                    "members": members, "time": time.time()}}))
+
+    def _admit_joiners(self, joiners: list):
+        """Slots joining at this start take, over the ring from the lowest-numbered member (not from
+        any disk: the launching Mac may hold nothing), the global model and outer optimizer state,
+        that member's inner optimizer state, the step and the run's counters; and their shard's cursor
+        where the slot's last worker left it. Every process of the ring takes part."""
+        ring = self.place.ring_slots
+        if getattr(self.strategy, "overlap_steps", 0) or getattr(self.strategy, "error_feedback", False):
+            raise ConfigError("a worker cannot join a job with overlap-steps or error-feedback (it has no part in "
+                              "the exchange in flight or the compression error); start the job without them")
+        peer = ring.index(min(set(ring) - set(joiners)))
+        clock = {"counts": mx.array([self.steps_done, self.ledger.bytes_sent, self.ledger.peak_bytes], mx.int64),
+                 "seconds": mx.array([self.compute_s, self.ledger.comm_s], mx.float32)}
+        got = self.comm.broadcast({"strategy": self.strategy.state(), "inner": self.workers.optimizer.state,
+                                   "clock": clock}, source=peer)
+        if not set(self.slots) & set(joiners):
+            return
+        sent = sum(v.nbytes for _, v in tree_flatten(got))
+        self.strategy.load_state(got["strategy"])
+        self.workers.optimizer.state = in_order_of(self.workers.optimizer.state, got["inner"])
+        self.workers.admit([True] * self.comm.n_local, self.global_params(), {})
+        self.steps_done, self.ledger.bytes_sent, self.ledger.peak_bytes = got["clock"]["counts"].tolist()
+        self.compute_s, self.ledger.comm_s = got["clock"]["seconds"].tolist()
+        taken = self.pacing.steps_taken(self.steps_done)
+        for sampler, slot in zip(self.samplers, self.data_workers):
+            sampler.seek(taken[slot] * self.config.batch_size)
+        self.log(f"worker {self.slots[0]} joined at step {self.steps_done}, from worker {ring[peer]}'s state "
+                 f"({sent:,} bytes over the ring)")
+
+    def _by_slot(self, values: list) -> list:
+        """One value per slot, NaN where no member is, from one per ring worker (an elastic cluster's)."""
+        if not self.place.ring_slots or values is None:
+            return values
+        out = [float("nan")] * self.config.workers
+        for slot, value in zip(self.place.ring_slots, values):
+            out[slot] = value
+        return out
 
     @contextmanager
     def _stop_on_non_finite(self, step: int):
@@ -373,10 +493,11 @@ class Run:
         self._report("on_val_loss_report", {
             "step": self.steps_done, "outer_step": -(-self.steps_done // period) if period else None,
             "tokens": self.tokens(), "examples": self.examples(),
-            "eval_loss": global_loss, "eval_loss_workers": worker_losses,
+            "eval_loss": global_loss, "eval_loss_workers": self._by_slot(worker_losses),
             "train_loss": None if train_losses is None else mean_of_numbers(train_losses),
-            "train_loss_workers": train_losses,
+            "train_loss_workers": self._by_slot(train_losses),
             "members": self.pacing.member_count(self.steps_done),
+            "tokens_per_shard": self.tokens_per_shard(), "inner_steps_lost": self.pacing.lost_steps(self.steps_done),
             "membership_changes": [c.row() for c in self.pacing.changes_between(self._last_evaluation(),
                                                                                  self.steps_done)],
             "bytes_sent_per_worker": ledger.bytes_sent, "peak_exchange_bytes": ledger.peak_bytes,
@@ -428,6 +549,9 @@ class Run:
                 "compute_s": self.compute_s, "worker_speeds": self.pacing.worker_speeds(),
                 "exchanges": self.ledger.state(),
                 "model_preset": self.spec.params if self.spec else None, "vocab_size": self.data.vocab_size}
+        if self.place.ring_slots:
+            meta["membership"] = {"ring_slots": self.place.ring_slots,
+                                  "history": self.place.membership or self.config.membership}
         return arrays, meta
 
     def load_state(self, arrays: dict, meta: dict):
