@@ -3,8 +3,8 @@ and MLX ring): Macs that leave and join a running job.
 
 1. Leave and join: 4 hosts, DiLoCo H=50, 600 steps. host4's machine is killed at step 120 (mid-round;
    a fifth of the run); a new machine (host5, named with --add, its agent started only then) appears
-   at step 300 (half way) and joins at the next sync, into the free slot. Beside it, the same job on 4 hosts uninterrupted. Reported:
-   both final eval losses, the inner steps the survivors redid (the run's events), the tokens trained
+   at step 300 (half way) and joins at the next sync, into the free slot. Beside it, the same job on
+   4 hosts uninterrupted. Reported: both final eval losses, the inner steps the survivors redid (the run's events), the tokens trained
    per shard, each change's time (stop to first inner step), and the bytes sent to the joiner.
 2. A sleeping laptop: host3 of 3 SIGSTOPped for 60 s at step 120 of 1500, then resumed. The launcher
    evicts it, and admits it again at a sync point once it answers; the job completes.

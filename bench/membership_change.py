@@ -127,7 +127,8 @@ def measure_preset(preset: str, name: str, code: dict, tmp: Path, flags: list, k
     from mlx_diloco.cluster.emulated import EmulatedCluster
     runs = []
     for i in range(repeats):
-        cluster = EmulatedCluster(HOSTS, tmp / f"cluster-{name}-{preset}-{i}", host_env={h: code for h in range(1, HOSTS + 1)})
+        cluster = EmulatedCluster(HOSTS, tmp / f"cluster-{name}-{preset}-{i}",
+                                  host_env={h: code for h in range(1, HOSTS + 1)})
         try:
             runs.append(measure(cluster, tmp / f"{name}-{i}", preset, flags, kill_step, code))
         finally:

@@ -23,6 +23,7 @@ from mlx_diloco.config import ConfigError
 from mlx_diloco.cluster.discovery import AgentClient, AgentError, Found, parse_hosts
 
 SECRET = b"fuzz-secret-0123456789abcdef"
+V = protocol.VERSION  # the version every well-formed frame carries
 
 
 def test_channel_round_trip_and_replay_within_a_connection():
@@ -46,9 +47,9 @@ def test_schema_and_version_checks():
     with pytest.raises(protocol.VersionMismatch, match="same mlx-diloco version"):
         protocol.validate({"v": 99, "type": "hello"})
     with pytest.raises(protocol.ProtocolError, match="field 'offset' is a str"):
-        protocol.validate({"v": protocol.VERSION, "type": "put_chunk", "digest": "x", "offset": "0", "size": 1, "data": b""})
+        protocol.validate({"v": V, "type": "put_chunk", "digest": "x", "offset": "0", "size": 1, "data": b""})
     with pytest.raises(protocol.ProtocolError, match="field 'rank' is a bool"):
-        protocol.validate({"v": protocol.VERSION, "type": "status", "job": "j", "metrics_from": 0} | {"type": "start", "rank": True})
+        protocol.validate({"v": V, "type": "status", "job": "j", "metrics_from": 0} | {"type": "start", "rank": True})
 
 
 def test_missing_secret_is_a_clear_error(monkeypatch):
@@ -116,17 +117,17 @@ def _outcome(sock) -> str:
 
 def _bad_frames(rng: random.Random, port: int):
     """Yield (kind, socket after sending one bad frame)."""
-    good = {"v": protocol.VERSION, "seq": 1, "type": "status", "job": "j", "metrics_from": 0, "log_from": 0}
+    good = {"v": V, "seq": 1, "type": "status", "job": "j", "metrics_from": 0, "log_from": 0}
     wrong_types = [
         {**good, "job": 5}, {**good, "metrics_from": "0"}, {**good, "type": "launch_rockets"},
-        {"v": protocol.VERSION, "seq": 1, "type": "start", "job": "j", "rank": 0},
-        {"v": protocol.VERSION, "seq": 1, "type": "put_chunk", "digest": "00", "offset": 0.5, "size": 1, "data": "text"},
-        {**good, "v": protocol.VERSION + 1}, {**good, "seq": 7}, [1, 2, 3], "just a string",
-        {"v": protocol.VERSION, "seq": 1, "type": "start", "job": "../../etc", "rank": 0, "worker_id": 0, "config": {"model": "tiny"},
+        {"v": V, "seq": 1, "type": "start", "job": "j", "rank": 0},
+        {"v": V, "seq": 1, "type": "put_chunk", "digest": "00", "offset": 0.5, "size": 1, "data": "text"},
+        {**good, "v": V + 1}, {**good, "seq": 7}, [1, 2, 3], "just a string",
+        {"v": V, "seq": 1, "type": "start", "job": "../../etc", "rank": 0, "worker_id": 0, "config": {"model": "tiny"},
          "hostfile": [], "data": {}, "resume_step": None, "collective_timeout": 1.0},
-        {"v": protocol.VERSION, "seq": 1, "type": "start", "job": "j", "rank": 0, "worker_id": 0, "config": {"modle": "tiny"},
+        {"v": V, "seq": 1, "type": "start", "job": "j", "rank": 0, "worker_id": 0, "config": {"modle": "tiny"},
          "hostfile": [["1.2.3.4:5"]], "data": {}, "resume_step": None, "collective_timeout": 1.0},
-        {"v": protocol.VERSION, "seq": 1, "type": "start", "job": "j", "rank": 0, "worker_id": 0, "config": {"workers": 1},
+        {"v": V, "seq": 1, "type": "start", "job": "j", "rank": 0, "worker_id": 0, "config": {"workers": 1},
          "hostfile": [["1.2.3.4:5; rm -rf /"]], "data": {}, "resume_step": None, "collective_timeout": 1.0},
     ]
     for i in range(1200):

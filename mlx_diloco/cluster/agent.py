@@ -254,7 +254,7 @@ class Agent:
     def on_save_and_exit(self, msg):
         """Ask this machine's worker to save its state and exit (run.StopRequests): `now`, at the end of
         its step, or `at_sync` from step `after` on. A worker that waits on a lost peer does not read it:
-        the launcher stops it after a grace period, and it resumes from the state it saved before."""
+        it saved its state before that exchange, and the launcher stops it."""
         folder = self._job_dir(msg["job"])
         _need(msg["when"] in ("now", "at_sync") and isinstance(msg.get("after", 0), int), "when: now or at_sync")
         request = {"stop": msg["when"], "after": msg.get("after", 0)}

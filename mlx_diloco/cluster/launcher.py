@@ -368,7 +368,8 @@ class Launcher:
             return False
         if all(s.get("returncode") == STOPPED_FOR_CHANGE for s in states):  # the launcher died during a change
             self.event("reattached", workers=len(states), during="a membership change")
-            return self.change_members({m.worker_id: s["progress"]["stopped"] for m, s in zip(self.state.members, states)})
+            return self.change_members({m.worker_id: s["progress"]["stopped"]
+                                        for m, s in zip(self.state.members, states)})
         return self.recover("workers not running on re-attach")
 
     def watch(self):

@@ -303,10 +303,12 @@ class Communicator:
         """The values of a tree held by the process hosting worker `source`, to every process: a sum
         to which every other process adds zeros, so the values arrive exact."""
         mine = source in self.local_workers
-        flat = sorted(tree_flatten(tree), key=lambda kv: kv[0])  # one order in every process (a state read back is sorted)
+        # One order in every process (a state read back from a checkpoint has its keys sorted), and one
+        # collective at a time: MLX may order a graph's independent collectives differently in each process.
+        flat = sorted(tree_flatten(tree), key=lambda kv: kv[0])
         summed = []
         with self._blocked():
-            for _, v in flat:  # one at a time: MLX may order a graph's independent collectives differently in each process
+            for _, v in flat:
                 summed.append(self._sum_workers((v if mine else mx.zeros_like(v))[None]))
                 mx.eval(summed[-1])
         return tree_unflatten([(k, v) for (k, _), v in zip(flat, summed)])
