@@ -28,37 +28,58 @@ class Found:
         return f"{self.address}:{self.port}"
 
 
+class _Names:
+    """A zeroconf listener that collects the names of the agents' services."""
+
+    def __init__(self):
+        self.names = set()
+
+    def add_service(self, zc, type_, name):
+        self.names.add(name)
+
+    update_service = add_service
+
+    def remove_service(self, zc, type_, name):
+        pass
+
+
+def _resolve(zc, name: str):
+    """The Found of service `name` (its first IPv4 address), or None if it does not resolve."""
+    from .agent import SERVICE_TYPE
+    info = zc.get_service_info(SERVICE_TYPE, name, timeout=3000)
+    if info is None or not info.parsed_addresses():
+        return None
+    props = {k.decode(): (v.decode() if v is not None else "") for k, v in info.properties.items()}
+    ipv4 = [a for a in info.parsed_addresses() if ":" not in a]
+    return Found((ipv4 or info.parsed_addresses())[0], info.port, name, props)
+
+
 def browse(timeout_s: float = 3.0) -> list:
-    """Agents that answer on mDNS within `timeout_s` (first IPv4 address of each)."""
+    """Agents that answer on mDNS within `timeout_s`."""
     from zeroconf import ServiceBrowser, Zeroconf
     from .agent import SERVICE_TYPE
-    names = set()
-
-    class Listener:
-        def add_service(self, zc, type_, name):
-            names.add(name)
-
-        def update_service(self, zc, type_, name):
-            names.add(name)
-
-        def remove_service(self, zc, type_, name):
-            pass
-
-    zc = Zeroconf()
+    zc, listener = Zeroconf(), _Names()
     try:
-        ServiceBrowser(zc, SERVICE_TYPE, Listener())
+        ServiceBrowser(zc, SERVICE_TYPE, listener)
         time.sleep(timeout_s)
-        found = []
-        for name in sorted(names):
-            info = zc.get_service_info(SERVICE_TYPE, name, timeout=3000)
-            if info is None or not info.parsed_addresses():
-                continue
-            props = {k.decode(): (v.decode() if v is not None else "") for k, v in info.properties.items()}
-            ipv4 = [a for a in info.parsed_addresses() if ":" not in a]
-            found.append(Found((ipv4 or info.parsed_addresses())[0], info.port, name, props))
-        return found
+        return [f for name in sorted(listener.names) if (f := _resolve(zc, name)) is not None]
     finally:
         zc.close()
+
+
+def watch(on_found, every_s: float = 1.0):
+    """Call `on_found` with each agent as it appears on mDNS (and those there now), for as long as the
+    process runs: a daemon thread's loop (the launcher's, to admit Macs that come home mid-run)."""
+    from zeroconf import ServiceBrowser, Zeroconf
+    from .agent import SERVICE_TYPE
+    zc, listener, seen = Zeroconf(), _Names(), set()
+    ServiceBrowser(zc, SERVICE_TYPE, listener)
+    while True:
+        for name in sorted(listener.names - seen):
+            seen.add(name)
+            if (found := _resolve(zc, name)) is not None:
+                on_found(found)
+        time.sleep(every_s)
 
 
 def parse_hosts(text: str, default_port: int) -> list:

@@ -20,6 +20,7 @@ launcher crash re-attaches to the running workers, or restarts them from their c
 """
 
 import json
+import queue
 import secrets
 import sys
 import threading
@@ -35,7 +36,7 @@ from ..config import ConfigError, TrainConfig
 from ..training.metrics import MetricsLog, human_bytes
 from ..worker_job import STOPPED_FOR_CHANGE
 from . import protocol
-from .discovery import AgentClient, AgentError, Found, parse_hosts
+from .discovery import AgentClient, AgentError, Found, parse_hosts, watch
 from .ringplan import plan_ring
 
 
@@ -201,7 +202,7 @@ class Launcher:
         self.events = self.run_dir / "events.jsonl"
         self.last_steps = {}      # each worker's last reported step: where a lost one left
         self.pending_join = None  # a machine admitted at the next sync point
-        self.discovered = []      # agents found on mDNS since the last look
+        self.discovered = queue.SimpleQueue()  # agents that appeared on mDNS (discovery.watch's thread)
         (self.run_dir / "logs").mkdir(exist_ok=True)  # each worker's output, copied as it comes
 
     # ------------------------------------------------------------ setup
@@ -341,7 +342,7 @@ class Launcher:
             return self.summary()
         done = self.reattach() if resume else self.start(resume_step=None)
         if self.state.elastic and self.options.discover:
-            threading.Thread(target=self._browse_forever, daemon=True).start()
+            threading.Thread(target=watch, args=(self.discovered.put,), daemon=True).start()
         while not done:
             failure = self.watch()
             if failure is None:
@@ -590,21 +591,13 @@ class Launcher:
         at = next((i for i, e in enumerate(history) if int(e.split(":")[0]) > step), len(history))
         self.state.membership = ",".join(history[:at] + [f"{step}:{what}"] + history[at:])
 
-    def _browse_forever(self):
-        """Agents that appear on mDNS during the run (a Mac that comes home), for look_for_joiners."""
-        from .discovery import browse
-        while True:
-            self.discovered += browse(2.0)
-            time.sleep(3)
-
     def look_for_joiners(self):
         """While the ring has room and a free slot, admit a machine that answers (a lost one, one named
         with --add, or one new on mDNS) at the next sync point: ask every member to save and exit there."""
-        known = {(m.address, m.port) for m in self.state.members + self.state.spares}
-        found, self.discovered = self.discovered, []
-        self.state.spares += [Member(f.address, f.port, worker_id=-1, host=f.endpoint)
-                              for f in {(f.address, f.port): f for f in found}.values()
-                              if (f.address, f.port) not in known]
+        while not self.discovered.empty():
+            f = self.discovered.get()
+            if (f.address, f.port) not in {(m.address, m.port) for m in self.state.members + self.state.spares}:
+                self.state.spares.append(Member(f.address, f.port, worker_id=-1, host=f.endpoint))
         cap = self.options.max_workers or self.state.num_shards
         free = sorted(set(range(self.state.num_shards)) - self._held())
         if self.pending_join or len(self.state.members) >= cap or not free or not self._can_admit():
