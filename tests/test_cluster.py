@@ -399,6 +399,34 @@ def test_a_launcher_killed_during_a_change_resumes_it(cluster, tmp_path):
     assert_same_params(cluster_global(cluster), sim_params, atol=MEMBERSHIP_ATOL)
 
 
+def test_a_worker_whose_state_misses_the_last_sync_catches_up(cluster, tmp_path):
+    """A worker that died after an exchange but before its checkpoint holds a state from before a sync
+    the others took: here worker 1's checkpoint of step 15 is deleted while the launcher is down, at
+    a planned change after step 15. The next ring sees it behind, and it takes the job's state from
+    worker 0 instead of pairing its redone sync with the others' next one."""
+    config, run_dir = long_config(steps=30, sync_every=5, membership="0:3,16:2"), tmp_path / "run"
+    proc = launch(config, run_dir, f"--hosts={cluster.hosts_flag}")
+    wait_for_step(cluster, 1, 3)
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 120
+    while not all((p := cluster.progress(i)) and "stopped" in p for i in (1, 2, 3)):
+        assert time.time() < deadline, [cluster.progress(i) for i in (1, 2, 3)]
+        time.sleep(0.2)
+    (worker1,) = cluster.folder.glob("host*/jobs/*/worker-1")
+    for path in worker1.glob("ckpt-15.*"):
+        path.unlink()
+    (worker1 / "latest.json").write_text(json.dumps({"step": 14}))
+    resumed = subprocess.run([sys.executable, "-m", "mlx_diloco", "launch", "--resume", "--run-dir", str(run_dir)],
+                             capture_output=True, text=True, timeout=400, env={**os.environ, "MLX_DILOCO_SECRET": SECRET})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "worker 1's state (step 14) is from before a sync the others took" in \
+        (run_dir / "logs" / "worker-1.log").read_text()
+    assert summary_of(run_dir)["steps"] == config.steps
+    _, sim_loss = sim_global(config, tmp_path)
+    assert_final_loss(run_dir, sim_loss, rel=1e-2)  # worker 1 took worker 0's moments at step 15
+
+
 def test_a_joiner_of_another_version_is_refused(tmp_path):
     """Host 3 runs another mlx-diloco version (a copy of the package that says so): named with --add,
     it is refused in one event naming both versions and the fix, and the job goes on without it."""

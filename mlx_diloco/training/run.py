@@ -192,8 +192,8 @@ class Run:
             self._restore()
         elif reporter:  # everything checked out: only now create the run folder
             self._create_run_folder()
-        if place.joiners:
-            self._admit_joiners(place.joiners)
+        if place.ring_slots:  # an elastic cluster's ring
+            self._catch_up(place.joiners or [])
         self.stop_requests = StopRequests(place.control_path) if place.control_path else None
         self.callbacks = self._own_callbacks(resume) + list(callbacks or [])
 
@@ -404,6 +404,21 @@ class Run:
         members = self.pacing.member_slots(self.steps_done + 1)
         atomic_write_text(path, json.dumps({**progress, "stopped": {"step": self.steps_done, "why": why,
                                                                     "members": members, "time": time.time()}}))
+
+    def _catch_up(self, joiners: list):
+        """Bring every worker of a new ring to the same round: the joiners, and a worker whose saved
+        state is from before a sync that another's includes (it died after that exchange, before its
+        checkpoint), take the job's state from a member (`_admit_joiners`); else the ring would pair
+        its exchanges with other ones. Every process of the ring takes part."""
+        steps = [int(s) for s in self.comm.gather_metric(mx.full((self.comm.n_local,), self.steps_done))]
+        behind = [slot for slot, step in zip(self.place.ring_slots, steps)
+                  if any(self.pacing.is_sync_point(t) for t in range(step + 1, max(steps) + 1))]
+        for slot, step in zip(self.place.ring_slots, steps):
+            if slot in behind and slot not in joiners and slot in self.slots:
+                self.log(f"worker {slot}'s state (step {step}) is from before a sync the others took: it takes "
+                         "the job's state from a member")
+        if behind or joiners:
+            self._admit_joiners(sorted(set(behind) | set(joiners)))
 
     def _admit_joiners(self, joiners: list):
         """Slots joining at this start take, over the ring from the lowest-numbered member (not from
