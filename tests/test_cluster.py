@@ -383,9 +383,9 @@ def test_a_launcher_killed_during_a_change_resumes_it(cluster, tmp_path):
     """The launcher dies before a planned leave; the workers save their states and exit at it with no
     launcher to start the next ring. `launch --resume` makes the change, and the run equals the
     simulator's with the same schedule."""
-    config, run_dir = long_config(steps=30, sync_every=5, membership="0:3,18:2"), tmp_path / "run"
+    config, run_dir = long_config(steps=30, sync_every=5, membership="0:3,22:2"), tmp_path / "run"
     proc = launch(config, run_dir, f"--hosts={cluster.hosts_flag}")
-    wait_for_step(cluster, 1, 3)
+    wait_for_step(cluster, 1, 1)
     proc.kill()
     proc.wait()
     deadline = time.time() + 120
@@ -402,10 +402,10 @@ def test_a_launcher_killed_during_a_change_resumes_it(cluster, tmp_path):
 
 def test_a_worker_whose_state_misses_the_last_sync_catches_up(cluster, tmp_path):
     """A worker that died after an exchange but before its checkpoint holds a state from before a sync
-    the others took: here worker 1's checkpoint of step 15 is deleted while the launcher is down, at
-    a planned change after step 15. The next ring sees it behind, and it takes the job's state from
+    the others took: here worker 1's checkpoint of step 25 is deleted while the launcher is down, at
+    a planned change after step 25. The next ring sees it behind, and it takes the job's state from
     worker 0 instead of pairing its redone sync with the others' next one."""
-    config, run_dir = long_config(steps=30, sync_every=5, membership="0:3,16:2"), tmp_path / "run"
+    config, run_dir = long_config(steps=40, sync_every=5, membership="0:3,26:2"), tmp_path / "run"
     proc = launch(config, run_dir, f"--hosts={cluster.hosts_flag}")
     wait_for_step(cluster, 1, 3)
     proc.kill()
@@ -415,17 +415,17 @@ def test_a_worker_whose_state_misses_the_last_sync_catches_up(cluster, tmp_path)
         assert time.time() < deadline, [cluster.progress(i) for i in (1, 2, 3)]
         time.sleep(0.2)
     (worker1,) = cluster.folder.glob("host*/jobs/*/worker-1")
-    for path in worker1.glob("ckpt-15.*"):
+    for path in worker1.glob("ckpt-25.*"):
         path.unlink()
-    (worker1 / "latest.json").write_text(json.dumps({"step": 14}))
+    (worker1 / "latest.json").write_text(json.dumps({"step": 24}))
     resumed = subprocess.run([sys.executable, "-m", "mlx_diloco", "launch", "--resume", "--run-dir", str(run_dir)],
                              capture_output=True, text=True, timeout=400, env={**os.environ, "MLX_DILOCO_SECRET": SECRET})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "worker 1's state (step 14) is from before a sync the others took" in \
+    assert "worker 1's state (step 24) is from before a sync the others took" in \
         (run_dir / "logs" / "worker-1.log").read_text()
     assert summary_of(run_dir)["steps"] == config.steps
     _, sim_loss = sim_global(config, tmp_path)
-    assert_final_loss(run_dir, sim_loss, rel=1e-2)  # worker 1 took worker 0's moments at step 15
+    assert_final_loss(run_dir, sim_loss, rel=1e-2)  # worker 1 took worker 0's moments at step 25
 
 
 def test_a_joiner_of_another_version_is_refused(tmp_path):
