@@ -87,6 +87,23 @@ def assert_final_loss(run_dir, uninterrupted, rel):
     assert got == pytest.approx(uninterrupted, rel=rel)
 
 
+def resume(run_dir):
+    """`launch --resume` of the job in run_dir, to its end."""
+    resumed = subprocess.run([sys.executable, "-m", "mlx_diloco", "launch", "--resume", "--run-dir", str(run_dir)],
+                             capture_output=True, text=True, timeout=400, env={**os.environ, "MLX_DILOCO_SECRET": SECRET})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+
+def kill_before_planned_stop(cluster, proc, hosts=(1, 2, 3)):
+    """Kill the launcher, then wait until every worker has saved and stopped at the schedule's change."""
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 120
+    while not all((p := cluster.progress(i)) and "stopped" in p for i in hosts):
+        assert time.time() < deadline, [cluster.progress(i) for i in hosts]
+        time.sleep(0.2)
+
+
 def wait_for_step(cluster, host, step, timeout=300):
     deadline = time.time() + timeout
     while not ((p := cluster.progress(host)) and p["step"] >= step):
@@ -204,9 +221,7 @@ def test_killed_launcher_resumes_the_job(cluster, tmp_path, worker_dies_too):
     proc.wait()
     if worker_dies_too:  # while no launcher watches: the resumed one must restart from the checkpoints
         os.kill(cluster.worker_pid(2), signal.SIGKILL)
-    resumed = subprocess.run([sys.executable, "-m", "mlx_diloco", "launch", "--resume", "--run-dir", str(run_dir)],
-                             capture_output=True, text=True, timeout=400, env={**os.environ, "MLX_DILOCO_SECRET": SECRET})
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resume(run_dir)
     kinds = [e["event"] for e in events(run_dir) if e["event"] in ("started", "reattached")]
     assert kinds[-1] == ("started" if worker_dies_too else "reattached"), kinds
     _, sim_loss = sim_global(config, tmp_path)
@@ -386,15 +401,8 @@ def test_a_launcher_killed_during_a_change_resumes_it(cluster, tmp_path):
     config, run_dir = long_config(steps=30, sync_every=5, membership="0:3,22:2"), tmp_path / "run"
     proc = launch(config, run_dir, f"--hosts={cluster.hosts_flag}")
     wait_for_step(cluster, 1, 1)
-    proc.kill()
-    proc.wait()
-    deadline = time.time() + 120
-    while not all((p := cluster.progress(i)) and "stopped" in p for i in (1, 2, 3)):
-        assert time.time() < deadline, [cluster.progress(i) for i in (1, 2, 3)]
-        time.sleep(0.2)
-    resumed = subprocess.run([sys.executable, "-m", "mlx_diloco", "launch", "--resume", "--run-dir", str(run_dir)],
-                             capture_output=True, text=True, timeout=400, env={**os.environ, "MLX_DILOCO_SECRET": SECRET})
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    kill_before_planned_stop(cluster, proc)
+    resume(run_dir)
     assert [e for e in events(run_dir) if e["event"] == "reattached"][0]["during"] == "a membership change"
     sim_params, _ = sim_global(config, tmp_path)
     assert_same_params(cluster_global(cluster), sim_params, atol=MEMBERSHIP_ATOL)
@@ -408,19 +416,12 @@ def test_a_worker_whose_state_misses_the_last_sync_catches_up(cluster, tmp_path)
     config, run_dir = long_config(steps=40, sync_every=5, membership="0:3,26:2"), tmp_path / "run"
     proc = launch(config, run_dir, f"--hosts={cluster.hosts_flag}")
     wait_for_step(cluster, 1, 3)
-    proc.kill()
-    proc.wait()
-    deadline = time.time() + 120
-    while not all((p := cluster.progress(i)) and "stopped" in p for i in (1, 2, 3)):
-        assert time.time() < deadline, [cluster.progress(i) for i in (1, 2, 3)]
-        time.sleep(0.2)
+    kill_before_planned_stop(cluster, proc)
     (worker1,) = cluster.folder.glob("host*/jobs/*/worker-1")
     for path in worker1.glob("ckpt-25.*"):
         path.unlink()
     (worker1 / "latest.json").write_text(json.dumps({"step": 24}))
-    resumed = subprocess.run([sys.executable, "-m", "mlx_diloco", "launch", "--resume", "--run-dir", str(run_dir)],
-                             capture_output=True, text=True, timeout=400, env={**os.environ, "MLX_DILOCO_SECRET": SECRET})
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resume(run_dir)
     assert "worker 1's state (step 24) is from before a sync the others took" in \
         (run_dir / "logs" / "worker-1.log").read_text()
     assert summary_of(run_dir)["steps"] == config.steps
