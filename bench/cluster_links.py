@@ -1,5 +1,7 @@
-"""Compute utilisation of DiLoCo and DDP on a real (emulated) 2-host cluster, per link, side by side,
-and the measured all-reduce time against the simulator's network model for the same link.
+"""Compute utilisation of DiLoCo and DDP on a real (emulated) 2-host cluster, per link, side by side:
+measured (each worker's waits on its peers, split into the link and the slower worker) and modelled,
+with the model FLOPs utilisation (MFU); and the measured all-reduce time against the simulator's
+network model for the same link.
 
 Needs root (Linux network namespaces; see cluster/netns-cluster.sh). Each host's link is shaped
 with tc netem to the rate and latency given. The workers are real `mlx-diloco worker` processes
@@ -83,8 +85,9 @@ def main():
     base = [f"--model={args.model}", "--workers=2", "--eval-batches=2", "--warmup=20"]
     lines = [f"2 hosts, model {args.model}; DiLoCo H={args.sync_every} for {args.diloco_steps} steps, "
              f"DDP for {args.ddp_steps} steps; FP16 exchange",
-             f"{'link':>9} {'strategy':>8} {'compute/step':>13} {'syncs':>6} {'in sync/sync':>13} "
-             f"{'all-reduce':>11} {'modelled':>9} {'util (measured)':>16} {'util (modelled)':>16}"]
+             f"doctor: {doctor_gflops()}",
+             f"{'link':>9} {'strategy':>8} {'compute/step':>13} {'syncs':>6} {'link/sync':>10} {'slower/sync':>12} "
+             f"{'all-reduce':>11} {'modelled':>9} {'util (measured)':>16} {'util (modelled)':>16} {'MFU':>6}"]
     print(lines[0])
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.links.split(","):
@@ -102,17 +105,27 @@ def main():
                     if strategy == "diloco":
                         measured = measure_all_reduce(cluster, Path(tmp) / name, payload)
                     line = (f"{name:>9} {strategy:>8} {row['compute_s'] / steps * 1e3:>10.1f} ms {syncs:>6} "
-                            f"{row['sync_wait_s'] / syncs * 1e3:>10.1f} ms {measured * 1e3:>8.1f} ms "
-                            f"{modelled * 1e3:>6.1f} ms {row['measured_utilisation']:>16.1%} {row['utilisation']:>16.1%}")
+                            f"{row['link_s'] / syncs * 1e3:>7.1f} ms {row['straggler_s'] / syncs * 1e3:>9.1f} ms "
+                            f"{measured * 1e3:>8.1f} ms {modelled * 1e3:>6.1f} ms {row['measured_utilisation']:>16.1%} "
+                            f"{row['utilisation']:>16.1%} {row['mfu']:>6.1%}")
                     print(line, flush=True)
                     lines.append(line)
             finally:
                 cluster.close()
     save_table(lines + [
-        "in sync/sync: rank 0's time blocked in each exchange while training (includes waiting for the",
-        "  slower peer: the emulated hosts share 2 cores); all-reduce: a standalone ring all-reduce of the",
-        "  same payload between the hosts (median of 5); modelled: the simulator's ring model for the link.",
-        "util (measured): compute / (compute + time in sync); util (modelled): with the modelled exchange."], args.out)
+        "link/sync, slower/sync: a worker's time blocked in each exchange while training (the mean of the two),",
+        "  split by the workers' arrival times (comm.py): waiting for the link, and for the slower peer (the",
+        "  emulated hosts share 2 cores; rank 0 also evaluates); all-reduce: a standalone ring all-reduce of",
+        "  the same payload between the hosts (median of 5); modelled: the simulator's ring model for the link.",
+        "util (measured): compute / (compute + both waits); util (modelled): with the modelled exchange;",
+        "MFU: model FLOPs per token x tokens/s / each host's matmul peak (doctor's, with its share of the cores)."],
+        args.out)
+
+
+def doctor_gflops() -> str:
+    """The GFLOP/s line of `mlx-diloco doctor`, recorded with the figures."""
+    doctor = subprocess.run([sys.executable, "-m", "mlx_diloco", "doctor"], capture_output=True, text=True, cwd=ROOT)
+    return next((line.strip() for line in doctor.stdout.splitlines() if "GFLOP" in line), "(no GFLOP/s line)")
 
 
 def save_table(lines: list, out):

@@ -3,11 +3,13 @@
 import argparse
 import os
 import sys
+import threading
 import time
 from dataclasses import fields
 from pathlib import Path
 
 from .cluster.protocol import DEFAULT_PORT
+from .dashboard.server import DEFAULT_PORT as DASHBOARD_PORT
 from .config import ConfigError, TrainConfig
 
 def add_config_flags(parser):
@@ -85,6 +87,7 @@ def cmd_sim(args):
     config = config_from_args(args)
     run_dir = Path(args.run_dir or f"runs/{config.strategy}-x{config.workers}-{time.strftime('%Y%m%d-%H%M%S')}")
     args.on_interrupt = f"continue with: mlx-diloco sim --resume --run-dir {run_dir}"
+    start_dashboard(args, run_dir)
     print_summary(simulate(config, run_dir, args.processes, args.resume, log=lambda m: print(m, file=sys.stderr)))
     from .models.zoo import load_spec
     if load_spec(config.model).is_language_model and args.sample_tokens:
@@ -112,6 +115,7 @@ def cmd_gym_run(args):
     config = config_from_args(args) if args.resume else config_from_flags(args, defaults=problem.settings(args.size))
     run_dir = Path(args.run_dir or f"runs/gym/{problem.name}/{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
     args.on_interrupt = f"continue with: mlx-diloco gym run {problem.name} --resume --run-dir {run_dir}"
+    start_dashboard(args, run_dir)
     simulate(config, run_dir, args.processes, args.resume, log=lambda m: print(m, file=sys.stderr))
     card = scorecard.scorecard(run_dir, problem)
     path = scorecard.save(card, run_dir)
@@ -150,7 +154,7 @@ def cmd_worker(args):
     from .worker_job import STOPPED_FOR_CHANGE, WorkerJob
     job = WorkerJob.read(args.job)
     config = TrainConfig.from_dict(job.config)
-    comm = init_ring(job.collective_timeout, job.workers_per_process)
+    comm = init_ring(job.collective_timeout, job.workers_per_process, job.backend)
     rank = comm.local_workers[0]
     run_dir = Path(job.run_dir)
     place = Placement(shard_dir=job.data_dir, data_worker=job.data_worker, num_shards=job.num_shards,
@@ -205,6 +209,7 @@ def found_agents(args):
 
 def cmd_discover(args):
     from .cluster.discovery import AgentClient, AgentError
+    from .cluster.links import describe as describe_link
     from .cluster.protocol import load_secret
     secret = load_secret(secret_file=args.secret_file) if (args.secret_file or os.environ.get("MLX_DILOCO_SECRET")) else None
     if args.hosts and secret is None:
@@ -219,6 +224,7 @@ def cmd_discover(args):
                 nets = ", ".join(f"{i['name']} {i['kind']} {i['address']}" for i in a["interfaces"] if i["kind"] != "loopback")
                 line = (f"{f.endpoint:24s} {a['host']}  mlx-diloco {a['version']}  {a['chip']}  "
                         f"{a['memory'] / 2**30:.0f} GiB  [{nets}]  thunderbolt links: {len(a['thunderbolt'])}")
+                line += "".join(f"\n    {describe_link(record)}" for record in a.get("links", {}).values())
                 answered += 1
             except (AgentError, ConfigError) as e:
                 line += f"  (hello failed: {e})"
@@ -233,6 +239,7 @@ def cmd_discover(args):
 
 def cmd_launch(args):
     from .cluster.launcher import JobFailed, JobState, Launcher, Options
+    from .gym.scorecard import time_spent
     from .cluster.protocol import load_secret
     secret = load_secret(secret_file=args.secret_file)
     if args.resume:
@@ -241,22 +248,61 @@ def cmd_launch(args):
         launcher = Launcher(JobState.load(Path(args.run_dir)), Path(args.run_dir), secret,
                             log=lambda m: print(m, file=sys.stderr))
     else:
-        found = found_agents(args)
+        from .cluster.discovery import Found
+        from .cluster.hostfile import MlxHostfile
+        from .cluster.launcher import dry_run
+        if args.hostfile and args.hosts:
+            raise ConfigError("--hosts and --hostfile both name the machines; pass one of them")
+        mlx_file = MlxHostfile.read(args.hostfile) if args.hostfile else None  # its machines' agents, in its order
+        found = [Found(h.agent_address, DEFAULT_PORT) for h in mlx_file.hosts] if mlx_file else found_agents(args)
         config = config_from_flags(args, defaults={"workers": len(found)})
+        if args.dry_run:
+            print(dry_run(found, secret, config.workers, args.backend, mlx_file, log=lambda m: print(m, file=sys.stderr)))
+            return
         run_dir = Path(args.run_dir or f"runs/cluster-{config.strategy}-x{config.workers}-{time.strftime('%Y%m%d-%H%M%S')}")
         options = Options(on_loss=args.on_loss, collective_timeout=args.collective_timeout,
                           heartbeat_timeout=args.heartbeat_timeout, max_restarts=args.max_restarts,
                           data_on_workers=args.data_on_workers, min_workers=args.min_workers,
-                          max_workers=args.max_workers, add=args.add, discover=not args.hosts)
-        launcher = Launcher.new(config, found, run_dir, secret, options, log=lambda m: print(m, file=sys.stderr))
+                          max_workers=args.max_workers, add=args.add, discover=not (args.hosts or mlx_file),
+                          backend=args.backend, measure_links=args.measure_links)
+        launcher = Launcher.new(config, found, run_dir, secret, options, log=lambda m: print(m, file=sys.stderr),
+                                mlx_file=mlx_file)
     args.on_interrupt = (f"the workers go on; watch them again with: mlx-diloco launch --resume "
                          f"--run-dir {launcher.run_dir}")
+    start_dashboard(args, launcher.run_dir, secret)
     try:
         s = launcher.run(resume=args.resume)
     except JobFailed as e:
         raise ConfigError(f"job failed: {e}")
     print(f"\njob {s['job']} in {s['run_dir']}: {s['workers']} workers, {s['steps']} steps, "
           f"final eval loss {s['final_eval_loss']:.4f}, {s['restarts']} restart(s)")
+    print(f"measured on the workers: {time_spent(s)}")
+
+
+def start_dashboard(args, run_dir: Path, secret: bytes = None):
+    """--dashboard: the run's page (dashboard/), served until the command ends; its URL on stderr."""
+    if args.dashboard is None:
+        return
+    from .dashboard.server import Dashboard, parse_where
+    print(f"dashboard: {Dashboard(run_dir, *parse_where(args.dashboard), secret=secret).url}", file=sys.stderr)
+
+
+def add_dashboard_flag(parser):
+    parser.add_argument("--dashboard", nargs="?", const="", metavar="HOST:PORT",
+                        help=f"serve a live web page of the run while it trains, at the URL printed (default "
+                             f"127.0.0.1:{DASHBOARD_PORT}; bound to another address, the URL carries a token: for a "
+                             "cluster derived from its secret)")
+
+
+def cmd_dashboard(args):
+    from .dashboard.server import Dashboard
+    from .cluster.protocol import load_secret
+    if not Path(args.run).is_dir():
+        raise ConfigError(f"no run folder {args.run}; pass the --run-dir of a sim, gym or launch run")
+    secret = load_secret(args.secret_file) if args.secret_file or os.environ.get("MLX_DILOCO_SECRET") else None
+    board = Dashboard(args.run, args.host, args.port, secret)
+    print(f"dashboard of {args.run}: {board.url} (Ctrl-C to stop)", file=sys.stderr, flush=True)
+    threading.Event().wait()  # until Ctrl-C
 
 
 def cmd_secret(args):
@@ -265,11 +311,13 @@ def cmd_secret(args):
 
 
 def print_summary(s):
+    from .gym.scorecard import time_spent
     from .training.metrics import human_bytes
     print(f"\nrun {s['run_dir']}: {s['strategy']} x{s['workers']}, {s['steps']} steps, "
           f"{trained_on(s)}, final eval loss {s['final_eval_loss']:.4f}")
     print(f"each worker sent {human_bytes(s['bytes_sent_per_worker'])}; on {s['link']}: compute "
           f"{s['compute_s']:.1f} s + exchange {s['modelled_comm_s']:.2f} s, utilisation {s['utilisation']:.1%}")
+    print(f"measured here: {time_spent(s)}")
     if s.get("peak_memory_bytes"):
         print(f"peak memory {human_bytes(s['peak_memory_bytes'])} per process ({s['workers_per_process']} "
               f"worker{'s' if s['workers_per_process'] > 1 else ''} each)")
@@ -284,7 +332,49 @@ def trained_on(s: dict) -> str:
 
 def cmd_plan(args):
     from .plan import print_plan
-    print_plan(given_flags(args), args.model, args.params, args.link, args.total_steps)
+    given, links = given_flags(args), args.link
+    if args.cluster:  # the slowest hop, as measured, of the ring the launcher would make of the agents
+        from .cluster.linktests import cluster_link
+        from .cluster.protocol import load_secret
+        if links:
+            raise ConfigError("--cluster and --link both name the link; pass one of them")
+        link, workers = cluster_link(found_agents(args), load_secret(secret_file=args.secret_file),
+                                     log=lambda m: print(m, file=sys.stderr))
+        given.setdefault("workers", workers)
+        links = [link]
+    print_plan(given, args.model, args.params, links, args.total_steps)
+
+
+def cmd_links(args):
+    import json
+    from .cluster.links import parse_size
+    from .cluster.linktests import measure_all, table
+    from .cluster.protocol import load_secret
+    measured = measure_all(found_agents(args), load_secret(secret_file=args.secret_file), parse_size(args.max_size),
+                           args.timeout, log=lambda m: print(m, file=sys.stderr))
+    print("\n".join(table(measured)))
+    if args.out:
+        ring = [measured["agents"][i]["host"] for i in measured["order"]]
+        Path(args.out).write_text(json.dumps({"pairs": measured["pairs"], "ring": ring, "hops": measured["hops"],
+                                              "ordered_by_measurements": measured["measured"]}, indent=1))
+
+
+def cmd_linktest(args):
+    """One end of a link test, started by an agent for `mlx-diloco links` (MLX_RANK and MLX_HOSTFILE set):
+    its rows as JSON lines, then the agent's record of the link."""
+    import json
+    from .atomic import atomic_write_text
+    from .cluster.links import LinkTestJob, kept_record, row
+    from .exchange.linktest import connect, measure
+    job = LinkTestJob.read(args.job)
+    group, rows = connect(job.collective_timeout), []
+    with open(job.rows, "a") as out:
+        def on_row(op, sender, nbytes, seconds):
+            rows.append(row(op, sender, nbytes, seconds))
+            out.write(json.dumps(rows[-1]) + "\n")
+            out.flush()
+        measure(group, job.sizes, job.collective_timeout, job.max_op_s, on_row)
+    atomic_write_text(job.keep, json.dumps(kept_record(rows, job)))
 
 
 def cmd_plot(args):
@@ -340,6 +430,7 @@ def build_parser(config_flags: bool = True):
     s.add_argument("--sample-tokens", type=int, default=100, help="tokens to sample at the end (0: none)")
     s.add_argument("--prompt", help="prompt for the final sample (default: 'ROMEO:' on the embedded "
                    "Shakespeare, else none)")
+    add_dashboard_flag(s)
     s.set_defaults(func=cmd_sim)
 
     s = sub.add_parser("gym", help="benchmark problems: run a strategy on one, compare scorecards")
@@ -356,6 +447,7 @@ def build_parser(config_flags: bool = True):
     g.add_argument("--run-dir", help="folder for the run (default: runs/gym/PROBLEM/STRATEGY-TIME)")
     g.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
     g.add_argument("--processes", type=int, default=0, help="local processes (as for sim; 0: one per core on a CPU)")
+    add_dashboard_flag(g)
     g.set_defaults(func=cmd_gym_run)
     g = gym.add_parser("compare", help="table (Markdown) and plot of scorecards")
     g.add_argument("cards", nargs="+", help="scorecard.json files or run folders")
@@ -380,6 +472,10 @@ def build_parser(config_flags: bool = True):
                         "(mlx_diloco/worker_job.py)")
     s.set_defaults(func=cmd_worker)
 
+    s = sub.add_parser("linktest", help="one end of a link test (an agent starts it for 'mlx-diloco links')")
+    s.add_argument("--job", required=True, help="the link test's job file, written by the agent (cluster/links.py)")
+    s.set_defaults(func=cmd_linktest)
+
     s = sub.add_parser("agent", help="serve this machine to clusters (advertised over mDNS)")
     s.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port of the control protocol (0: any free port)")
     s.add_argument("--bind", default="", help="address to listen on (default: all)")
@@ -399,6 +495,16 @@ def build_parser(config_flags: bool = True):
     s = sub.add_parser("discover", help="list the agents on the network")
     add_finding(s)
     s.set_defaults(func=cmd_discover)
+
+    s = sub.add_parser("links", help="measure the link between every pair of agents (MLX's ring: all-reduce and "
+                       "send/recv, 1 KB up); the agents keep the results and the launcher orders the ring by them")
+    add_finding(s)
+    s.add_argument("--max-size", default="256MB",
+                   help="largest message (sizes grow 4x from 1KB, and stop early once an all-reduce takes over "
+                        "0.25 s: the rate dominates there)")
+    s.add_argument("--timeout", type=float, default=30.0, help="seconds one operation may wait for the peer")
+    s.add_argument("--out", help="JSON file for every measurement (each pair, operation and size) and the ring")
+    s.set_defaults(func=cmd_links)
 
     s = sub.add_parser("launch", help="run a job on the agents of a real cluster")
     if config_flags:
@@ -421,7 +527,30 @@ def build_parser(config_flags: bool = True):
     s.add_argument("--max-restarts", type=int, default=5, help="restarts before the job is given up")
     s.add_argument("--data-on-workers", action="store_true",
                    help="the --data path exists on every machine: read it there instead of shipping shards")
+    s.add_argument("--backend", choices=["auto", "ring", "jaccl"], default="auto",
+                   help="MLX's backend between the workers: jaccl (RDMA over Thunderbolt 5: macOS 26.2+, RDMA "
+                        "enabled, ring neighbours cabled), ring (TCP), or auto: jaccl where it can run, else the "
+                        "ring, saying why (a hostfile's backend counts as auto)")
+    s.add_argument("--hostfile", metavar="FILE",
+                   help="the machines (their agents, on the default port), ring order, addresses and RDMA devices "
+                        "from an MLX hostfile, as mlx.distributed_config writes it")
+    s.add_argument("--dry-run", action="store_true",
+                   help="print the backend and why, the ring, each rank's addresses and RDMA devices and the "
+                        "hostfile it would write, and start nothing")
+    s.add_argument("--measure-links", action="store_true",
+                   help="first measure every pair's link (as 'mlx-diloco links' does) and order the ring by it "
+                        "(without: by the agents' kept measurements where every pair has one)")
+    add_dashboard_flag(s)
     s.set_defaults(func=cmd_launch)
+
+    s = sub.add_parser("dashboard", help="serve the web page of a run folder, live or finished")
+    s.add_argument("run", help="run folder (sim, gym run or launch)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on; beyond the loopback, the printed URL "
+                   "carries a token (for a cluster's run, derived from the secret when it is given)")
+    s.add_argument("--port", type=int, default=DASHBOARD_PORT,
+                   help=f"TCP port (default {DASHBOARD_PORT}, or any free one when it is taken; 0: any free one)")
+    s.add_argument("--secret-file", help="the cluster secret (default: $MLX_DILOCO_SECRET), for the token")
+    s.set_defaults(func=cmd_dashboard)
 
     s = sub.add_parser("secret", help="print a new random cluster secret")
     s.set_defaults(func=cmd_secret)
@@ -434,6 +563,10 @@ def build_parser(config_flags: bool = True):
         add_plan_flags(s)
     s.add_argument("--total-steps", type=int, default=None, help="also print training time for this many steps")
     s.add_argument("--link", action="append", help="link preset or 'BW/LATENCY' (repeatable; default: all presets)")
+    s.add_argument("--cluster", action="store_true",
+                   help="the link is the slowest hop, as measured (mlx-diloco links), of the ring the launcher would "
+                        "make of the agents found (--hosts or mDNS); --workers defaults to their number")
+    add_finding(s)
     s.set_defaults(func=cmd_plan)
 
     s = sub.add_parser("plot", help="plot eval loss of runs (PNG)")

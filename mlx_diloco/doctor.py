@@ -3,22 +3,9 @@
 import os
 import platform
 import sys
-import time
-
 from . import __version__, blas
 from .cluster import hostinfo
-
-
-def matmul_gflops(n: int = 1024, repeats: int = 3) -> float:
-    import mlx.core as mx
-    a = mx.random.normal((n, n))
-    mx.eval(a @ a)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        mx.eval(a @ a)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best / 1e9
+from .utilisation import peak_gflops
 
 
 def report() -> list:
@@ -30,7 +17,7 @@ def report() -> list:
         info = mx.metal.device_info()
         lines.append(f"Metal GPU: {info.get('device_name', '?')}, "
                      f"recommended working set {info.get('max_recommended_working_set_size', 0) / 1e9:.1f} GB")
-    gflops = matmul_gflops()
+    gflops = peak_gflops(measure=True)  # and kept for the runs' MFU
     lines.append(f"matmul 1024x1024 float32: {gflops:.1f} GFLOP/s")
     if sys.platform.startswith("linux"):
         if blas.openblas_preloaded():

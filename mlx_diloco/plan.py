@@ -8,7 +8,7 @@ from .cluster import hostinfo
 from .config import DEFAULT_MAX_SEQ_LEN, TrainConfig
 from .exchange.codecs import get_codec
 from .exchange.comm import exchange_plan
-from .exchange.network import LINKS, exchange_time, parse_link
+from .exchange.network import LINKS, Link, exchange_time, parse_link
 from .memory import (GB, GPU_SHARE, MAC_MEMORY_GB, MemoryOptions, estimate, flags, macs_it_fits, make_it_fit,
                      on_this_machine, trained_shape)
 from .strategies import make_strategy
@@ -86,14 +86,14 @@ def print_memory(model: str, config: TrainConfig, strategy):
 
 def print_plan(given: dict, model: str = None, params: float = None, links: list = None, total_steps: int = None):
     """`plan`'s output for the config keys and DiLoCo options `given` (over WHAT_IF and their
-    defaults), `model` (also its memory) or `params`, `links` (default: every preset)."""
+    defaults), `model` (also its memory) or `params`, `links` (Links or their text; default: every preset)."""
     config = TrainConfig.from_dict({**WHAT_IF, **given, "strategy": STRATEGY})
     strategy = make_strategy(config.strategy, config.strategy_options)
     shape = print_memory(model, config, strategy) if model else None
     adapters = shape is not None and shape.trainable is not None and not params
     if not params:  # what a sync exchanges: what trains (with adapters, the adapters alone)
         params = (shape.trainable if adapters else shape.parameters) if shape else 7e9
-    links = [parse_link(l) for l in links] if links else list(LINKS.values())
+    links = [l if isinstance(l, Link) else parse_link(l) for l in links] if links else list(LINKS.values())
     options, workers, step_time, H = strategy.options(), config.workers, config.step_time, strategy.sync_every
     P, tau = options["fragments"], options["overlap_steps"]
     rows = plan(params, options["compress"], workers, H, step_time, links, total_steps, P, tau)

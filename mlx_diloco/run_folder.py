@@ -29,6 +29,8 @@ META = {
 }
 # Keys a checkpoint may lack (those written before them did).
 OPTIONAL_META = {
+    "waits_s": "seconds this worker waited on its peers so far: for the link ('link_s') and for slower "
+               "workers ('straggler_s')",
     "membership": "an elastic cluster worker's: the slots of its ring's workers ('ring_slots') and who left "
                   "and joined so far ('history', membership.py's syntax)",
 }

@@ -93,9 +93,9 @@ def test_pseudo_gradient_bytes_are_accounted(tmp_path):
     run = make_run(tmp_path, "r", workers=4, sync_every=2, steps=4, compress="fp16")
     run.train()
     # two outer steps, fp16 payload, ring all-reduce sends 2 (M-1)/M of it, after the all-gather of
-    # every worker's largest value and non-finite count (two float32 each)
+    # every worker's largest value, non-finite count and arrival time (three float32 each)
     payload = run.n_params * 2
-    assert run.ledger.bytes_sent == 2 * (int(2 * 3 / 4 * payload) + 3 * 8)
+    assert run.ledger.bytes_sent == 2 * (int(2 * 3 / 4 * payload) + 3 * 12)
 
 
 def test_a_short_last_round_lands_on_the_workers_mean(tmp_path):

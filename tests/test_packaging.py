@@ -30,6 +30,8 @@ def test_the_wheel_holds_every_package_and_runs_from_a_fresh_virtualenv(tmp_path
     shipped = {Path(n).parent.as_posix() for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".py")}
     in_tree = {p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "mlx_diloco").rglob("__init__.py")}
     assert in_tree <= shipped, f"packages missing from the wheel: {sorted(in_tree - shipped)}"
+    static = {p.relative_to(ROOT).as_posix() for p in (ROOT / "mlx_diloco" / "dashboard" / "static").rglob("*") if p.is_file()}
+    assert static and static <= set(zipfile.ZipFile(wheel).namelist())  # the dashboard's page and its uPlot
 
     # A fresh virtualenv with the wheel, reading the other dependencies from this one (offline).
     venv = tmp_path / "venv"

@@ -117,7 +117,7 @@ def _outcome(sock) -> str:
 
 def _bad_frames(rng: random.Random, port: int):
     """Yield (kind, socket after sending one bad frame)."""
-    good = {"v": V, "seq": 1, "type": "status", "job": "j", "metrics_from": 0, "log_from": 0}
+    good = {"v": V, "seq": 1, "type": "status", "job": "j", "metrics_from": 0, "exchanges_from": 0, "log_from": 0}
     wrong_types = [
         {**good, "job": 5}, {**good, "metrics_from": "0"}, {**good, "type": "launch_rockets"},
         {"v": V, "seq": 1, "type": "start", "job": "j", "rank": 0},

@@ -30,8 +30,8 @@ def make_run(tmp_path, name, **overrides):
     return Run(config, tmp_path / name, SimCommunicator(config.workers), **QUIET)
 
 
-def check(M):  # before every exchange the workers all-gather two float32 each (largest value, non-finite count)
-    return (M - 1) * 8
+def check(M):  # before every exchange the workers all-gather three float32 each (largest value, non-finite
+    return (M - 1) * 12  # count, arrival time)
 
 
 def ring(M, payload):  # bytes one worker sends in a ring all-reduce of `payload` bytes, after the check

@@ -5,9 +5,11 @@ It advertises itself over mDNS (`_mlx-diloco._tcp.local.`), answers the control 
 blobs sent by launchers (data shards, by content hash) and each job's worker folder (checkpoints,
 logs) under its state folder, so a restarted job resumes from what is on disk.
 
-The only program an agent ever starts is `python -m mlx_diloco worker --job FILE`, with a job file
+The only programs an agent ever starts are `python -m mlx_diloco worker --job FILE`, with a job file
 (worker_job.py) it has validated itself (TrainConfig, ring addresses, names that cannot leave the
-state folder).
+state folder), and the link test `python -m mlx_diloco linktest --job FILE` (cluster/links.py), whose
+job file it writes itself too. It keeps the last measurement of each link in STATE/links/ and
+reports them in its hello.
 """
 
 import collections
@@ -33,6 +35,9 @@ from ..config import ConfigError, TrainConfig
 from ..exchange.watchdog import WATCHDOG_EXIT_MARK
 from ..worker_job import WorkerJob
 from . import hostinfo, protocol
+from .links import LinkTestJob
+from .ringplan import SLOWEST_FIRST
+from .hostfile import is_device_matrix
 
 SERVICE_TYPE = "_mlx-diloco._tcp.local."
 MAX_CONNECTIONS = 32   # authenticated connections served at once (a launcher holds one per agent)
@@ -61,6 +66,15 @@ def read_bytes(path: Path, start: int, limit: int) -> bytes:
         size = f.seek(0, os.SEEK_END)
         f.seek(min(max(0, start), size))
         return f.read(limit)
+
+
+def lines_of(path: Path, start: int, limit: int = 1000) -> list:
+    """Up to `limit` lines of a JSONL file from line `start` on, the blank ones left out; a last line
+    without its newline is still being written: it comes at the next poll."""
+    if not path.exists():
+        return []
+    complete = path.read_text().split("\n")[:-1]
+    return [line for line in complete[start:][:limit] if line.strip()]
 
 
 class WorkerProcess:
@@ -120,7 +134,17 @@ class Agent:
 
     def describe(self) -> dict:
         info = hostinfo.describe(self.id, self.max_memory)
-        return {**info, "host": self.name or info["host"]}
+        return {**info, "host": self.name or info["host"], "links": self.kept_links()}
+
+    def kept_links(self) -> dict:
+        """{peer agent id: the last measurement of the link to it} (links.kept_record)."""
+        kept = {}
+        for path in sorted((self.state_dir / "links").glob("*.json")):
+            try:
+                kept[path.stem] = json.loads(path.read_text())
+            except (OSError, ValueError):
+                pass  # being rewritten, or torn by a crash: the next measurement replaces it
+        return kept
 
     def on_heartbeat(self, msg):
         return {"time": time.time()}
@@ -188,6 +212,11 @@ class Agent:
               "ring_slots must name one distinct worker id per hostfile entry")
         _need(all(isinstance(w, int) for w in elastic.get("joiners") or []), "joiners must be worker ids")
         _need(isinstance(elastic.get("membership") or "", str), "membership must be a string")
+        backend = msg.get("backend", "ring")  # jaccl: MLX's device matrix and rank 0's coordinator address too
+        _need(backend in ("ring", "jaccl"), "backend must be ring or jaccl")
+        _need(backend == "ring" or (is_device_matrix(msg.get("devices"), ring) and
+                                    _ADDRESS.fullmatch(str(msg.get("coordinator")))),
+              "jaccl needs 'devices' (MLX's device matrix, one row per worker) and 'coordinator' ('ip:port')")
         with self.lock:
             old = self.jobs.get(msg["job"])
             _need(old is None or old.popen.poll() is not None, f"job {msg['job']} is already running here; stop it first")
@@ -203,19 +232,27 @@ class Agent:
             control = folder / "control.json"
             control.unlink(missing_ok=True)  # an old request must not stop the new worker
             WorkerJob(config.to_dict(), str(run_dir), own_run_dir=True, data_worker=msg["worker_id"],
-                      collective_timeout=msg["collective_timeout"], progress=str(folder / "progress.json"),
+                      collective_timeout=msg["collective_timeout"], backend=backend, progress=str(folder / "progress.json"),
                       resume_step=msg["resume_step"], ring_slots=slots, membership=elastic.get("membership"),
                       joiners=elastic.get("joiners"), control=str(control) if elastic else None, **data).write(job)
             (folder / "hostfile.json").write_text(json.dumps(hostfile))
             (folder / "progress.json").unlink(missing_ok=True)
             env = {**os.environ, "MLX_RANK": str(msg["rank"]), "MLX_HOSTFILE": str(folder / "hostfile.json")}
-            with open(folder / "worker.log", "ab") as out:
-                log_start = out.seek(0, os.SEEK_END)
-                popen = subprocess.Popen([sys.executable, "-m", "mlx_diloco", "worker", "--job", str(job)], cwd=folder,
-                                         stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            self.jobs[msg["job"]] = WorkerProcess(popen, folder, run_dir, msg["rank"], log_start)
+            if backend == "jaccl":  # what mlx.launch sets for jaccl (mlx/_distributed_utils/launch.py)
+                (folder / "devices.json").write_text(json.dumps(msg["devices"]))
+                env.update(MLX_IBV_DEVICES=str(folder / "devices.json"), MLX_JACCL_COORDINATOR=msg["coordinator"])
+            popen = self._spawn(msg["job"], folder, run_dir, msg["rank"], ["worker", "--job", str(job)], env)
             log.info("job %s: started worker %d as rank %d (pid %d)", msg["job"], msg["worker_id"], msg["rank"], popen.pid)
         return {"pid": popen.pid}
+
+    def _spawn(self, job: str, folder: Path, run_dir: Path, rank: int, command: list, env: dict):
+        """Start `python -m mlx_diloco COMMAND` for a job, in its folder, its output appended to worker.log."""
+        with open(folder / "worker.log", "ab") as out:
+            log_start = out.seek(0, os.SEEK_END)
+            popen = subprocess.Popen([sys.executable, "-m", "mlx_diloco", *command], cwd=folder, stdout=out,
+                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.jobs[job] = WorkerProcess(popen, folder, run_dir, rank, log_start)
+        return popen
 
     def _materialize_data(self, folder: Path, worker_id: int, data: dict) -> dict:
         """Link the shipped blobs into the worker's data folder: its WorkerJob's data_dir and
@@ -241,10 +278,9 @@ class Agent:
         if worker is None:
             return {"state": "unknown"}
         out = worker.state()
-        metrics = worker.run_dir / "metrics.jsonl"
-        lines = metrics.read_text().splitlines()[msg["metrics_from"]:][:1000] if metrics.exists() else []
         log_piece = read_bytes(worker.log, msg["log_from"], 64 << 10)  # the worker's output, streamed in pieces
-        return {**out, "metrics": [line for line in lines if line.strip()], "log": log_piece}
+        return {**out, "metrics": lines_of(worker.run_dir / "metrics.jsonl", msg["metrics_from"]),
+                "exchanges": lines_of(worker.run_dir / "exchanges.jsonl", msg["exchanges_from"]), "log": log_piece}
 
     def on_checkpoints(self, msg):
         """Steps of the complete checkpoints of this machine's workers in the job: {worker_id: [steps]}."""
@@ -269,6 +305,35 @@ class Agent:
             worker.kill()
             log.info("job %s: worker stopped", msg["job"])
         return {}
+
+    def on_measure_link(self, msg):
+        """Start this machine's side of a link test: a two-process MLX ring with the peer's agent, which
+        times all-reduces and sends of growing sizes (`mlx-diloco links`). Its rows come with `status`."""
+        folder, peer, sizes = self._job_dir(msg["job"]), msg["peer"], msg["sizes"]
+        _need(msg["rank"] in (0, 1) and len(msg["hostfile"]) == 2, "a link test is a ring of two: rank 0 or 1")
+        _need(all(isinstance(e, list) and len(e) == 1 and isinstance(e[0], str) and _ADDRESS.fullmatch(e[0])
+                  for e in msg["hostfile"]), "hostfile entries must be lists of one 'ip:port'")
+        _need(isinstance(peer.get("id"), str) and hostinfo.valid_name(peer["id"]) and isinstance(peer.get("host"), str)
+              and len(peer["host"]) <= 64, "peer must be {'id': its agent id, 'host': its name}")
+        _need(msg["link_kind"] in SLOWEST_FIRST, f"link_kind must be one of {', '.join(SLOWEST_FIRST)}")
+        _need(0 < len(sizes) <= 16 and all(isinstance(n, int) and 4 <= n <= 1 << 32 and n % 4 == 0 for n in sizes),
+              "sizes must be 1-16 byte counts, multiples of 4, up to 4 GB")
+        _need(0 < msg["collective_timeout"] <= 86400, "timeout out of range")
+        with self.lock:
+            old = self.jobs.get(msg["job"])
+            _need(old is None or old.popen.poll() is not None, f"link test {msg['job']} is already running here")
+            folder.mkdir(parents=True, exist_ok=True)
+            rows = folder / "metrics.jsonl"
+            rows.unlink(missing_ok=True)  # status returns this test's rows only
+            LinkTestJob(sizes, float(msg["collective_timeout"]), rows=str(rows),
+                        keep=str(self.state_dir / "links" / f"{peer['id']}.json"),
+                        peer={"id": peer["id"], "host": peer["host"]}, kind=msg["link_kind"]).write(folder / "linktest.json")
+            (folder / "hostfile.json").write_text(json.dumps(msg["hostfile"]))
+            env = {**os.environ, "MLX_RANK": str(msg["rank"]), "MLX_HOSTFILE": str(folder / "hostfile.json")}
+            popen = self._spawn(msg["job"], folder, folder, msg["rank"], ["linktest", "--job", str(folder / "linktest.json")],
+                                env)
+            log.info("link test %s: started rank %d to %s (pid %d)", msg["job"], msg["rank"], peer["host"], popen.pid)
+        return {"pid": popen.pid}
 
     def stop_all(self):
         for worker in self.jobs.values():

@@ -44,14 +44,24 @@ class _Names:
 
 
 def _resolve(zc, name: str):
-    """The Found of service `name` (its first IPv4 address), or None if it does not resolve."""
+    """The Found of service `name` (its first IPv4 address on the LAN), or None if it does not resolve."""
     from .agent import SERVICE_TYPE
     info = zc.get_service_info(SERVICE_TYPE, name, timeout=3000)
     if info is None or not info.parsed_addresses():
         return None
     props = {k.decode(): (v.decode() if v is not None else "") for k, v in info.properties.items()}
-    ipv4 = [a for a in info.parsed_addresses() if ":" not in a]
+    ipv4 = lan_first([a for a in info.parsed_addresses() if ":" not in a], props.get("interfaces", ""))
     return Found((ipv4 or info.parsed_addresses())[0], info.port, name, props)
+
+
+def lan_first(addresses: list, interfaces: str) -> list:
+    """An agent's addresses with its Thunderbolt ones last: a cable reaches only the Mac at its other
+    end, the LAN every machine. `interfaces`: its TXT record's "name=kind/address,..." (agent.advertise)."""
+    kinds = {}
+    for entry in interfaces.split(","):
+        kind, _, address = entry.partition("=")[2].partition("/")
+        kinds[address] = kind
+    return sorted(addresses, key=lambda a: kinds.get(a) == "thunderbolt")
 
 
 def browse(timeout_s: float = 3.0) -> list:

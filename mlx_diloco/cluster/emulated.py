@@ -34,18 +34,26 @@ def can_build() -> str:
 
 
 class EmulatedCluster:
+    """`hosts` namespaces on a bridge shaped at `rate` (each host's sending side), and `cables`:
+    {(i, j): rate} direct links, Thunderbolt to the agents (netns-cluster.sh's `cable`). Clusters
+    that may run at the same time need their own `prefix` and `subnet`; `mdns=False` keeps their
+    agents off mDNS (launchers elsewhere on this machine browse it): pass `hosts_flag`."""
+
     def __init__(self, hosts: int, folder: Path, rate: str = "", delay: str = "", max_memory: dict = None,
-                 host_env: dict = None):
-        self.folder, self.n = Path(folder), hosts
+                 host_env: dict = None, cables: dict = None, prefix: str = "mdt", subnet: str = "10.77.0",
+                 mdns: bool = True):
+        self.folder, self.n, self.subnet, self.prefix, self.mdns = Path(folder), hosts, subnet, prefix, mdns
         self.max_memory = max_memory or {}  # host -> GB its agent offers (agent --max-memory)
         self.host_env = host_env or {}      # host -> its agent's own variables (HF_HUB_CACHE: its own model cache)
         self.folder.mkdir(parents=True, exist_ok=True)
         # The hosts share this machine's cores: give each its share of BLAS threads, as on real machines.
         threads = str(max(1, (os.cpu_count() or 1) // hosts))
-        self.env = {**os.environ, "MLXD_NETNS_PREFIX": "mdt", "MLX_DILOCO_SECRET": SECRET,
+        self.env = {**os.environ, "MLXD_NETNS_PREFIX": prefix, "MLXD_SUBNET": subnet, "MLX_DILOCO_SECRET": SECRET,
                     "OPENBLAS_NUM_THREADS": threads}
         self.agents = {}
         self._script("up", str(hosts), rate, delay)
+        for (i, j), cable_rate in (cables or {}).items():
+            self._script("cable", str(i), str(j), cable_rate)
         for i in range(1, hosts + 1):
             self.start_agent(i, wait=False)
         for i in range(1, hosts + 1):
@@ -55,7 +63,7 @@ class EmulatedCluster:
         subprocess.run(["bash", str(SCRIPT), *args], check=True, env=self.env, capture_output=True, timeout=60)
 
     def address(self, i: int) -> str:
-        return f"10.77.0.{10 + i}"
+        return f"{self.subnet}.{10 + i}"
 
     @property
     def hosts_flag(self) -> str:
@@ -64,8 +72,9 @@ class EmulatedCluster:
     def start_agent(self, i: int, wait: bool = True):
         log = open(self.folder / f"agent-host{i}.log", "a")
         self.agents[i] = subprocess.Popen(
-            ["ip", "netns", "exec", f"mdt{i}", sys.executable, "-m", "mlx_diloco", "agent", "--name", f"host{i}",
-             "--port", str(PORT), "--state-dir", str(self.folder / f"host{i}"),
+            ["ip", "netns", "exec", f"{self.prefix}{i}", sys.executable, "-m", "mlx_diloco", "agent", "--name",
+             f"host{i}", "--port", str(PORT), "--state-dir", str(self.folder / f"host{i}"),
+             *([] if self.mdns else ["--no-mdns"]),
              *(["--max-memory", str(self.max_memory[i])] if i in self.max_memory else [])],
             stdout=log, stderr=subprocess.STDOUT, env={**self.env, **self.host_env.get(i, {})},
             cwd=self.folder)  # not a source checkout: `-m mlx_diloco` finds the package its PYTHONPATH names
@@ -81,13 +90,14 @@ class EmulatedCluster:
 
     def kill_host(self, i: int):
         """The machine drops out: every process in its namespace dies at once."""
-        pids = subprocess.run(["ip", "netns", "pids", f"mdt{i}"], capture_output=True, text=True).stdout.split()
+        pids = subprocess.run(["ip", "netns", "pids", f"{self.prefix}{i}"], capture_output=True, text=True).stdout.split()
         for pid in pids:
             os.kill(int(pid), signal.SIGKILL)
         self.agents[i].wait()
 
     def job_folder(self, i: int) -> Path:
-        return next((self.folder / f"host{i}" / "jobs").iterdir())
+        """Host i's training job's folder (its agent's link tests have folders beside it)."""
+        return next(p for p in (self.folder / f"host{i}" / "jobs").iterdir() if (p / "job.json").exists())
 
     def progress(self, i: int):
         try:
@@ -97,7 +107,7 @@ class EmulatedCluster:
 
     def worker_pid(self, i: int) -> int:
         client = AgentClient(Found(self.address(i), PORT), SECRET.encode())
-        return client.request("status", job=self.job_folder(i).name, metrics_from=0, log_from=NO_LOG)["pid"]
+        return client.request("status", job=self.job_folder(i).name, metrics_from=0, exchanges_from=NO_LOG, log_from=NO_LOG)["pid"]
 
     def close(self):
         for p in self.agents.values():

@@ -1,10 +1,12 @@
 """What a machine tells the cluster about itself: chip, memory, network interfaces and their kind
-(Thunderbolt, Ethernet, Wi-Fi), and on macOS its Thunderbolt links.
+(Thunderbolt, Ethernet, Wi-Fi), and on macOS its Thunderbolt links and RDMA devices.
 
 On macOS the kinds come from `networksetup -listallhardwareports` (port "Thunderbolt 1" is en2...)
 and the links from `system_profiler SPThunderboltDataType -json` (each port's domain UUID and the
-UUID of the Mac at the other end of the cable). The parsers take the commands' text, so tests run
-them on captured outputs.
+UUID of the Mac at the other end of the cable). RDMA over Thunderbolt 5 (what MLX's jaccl backend
+uses, macOS 26.2+) shows as one verbs device per Thunderbolt port, rdma_en2 for en2, listed with its
+port state by `ibv_devinfo` (PORT_ACTIVE once the Macs at both ends of the cable enabled RDMA).
+The parsers take the commands' text, so tests run them on captured outputs.
 """
 
 import json
@@ -77,6 +79,37 @@ def thunderbolt_links(hardware_ports: dict, tb_ports: list) -> list:
     return [{"interface": device_of.get(p["receptacle"]), **p} for p in tb_ports if p["peer_uuid"]]
 
 
+def parse_ibv_devinfo(text: str) -> dict:
+    """`ibv_devinfo` -> {device: its port's state}, e.g. {"rdma_en2": "PORT_ACTIVE"} (Apple's TN3205
+    shows the format; mlx.distributed_config looks for the same rdma_ names in `ibv_devices`)."""
+    devices, name = {}, None
+    for line in text.splitlines():
+        key, _, value = line.strip().partition(":")
+        if key == "hca_id":
+            name = value.strip()
+            devices[name] = "unknown"
+        elif key == "state" and name:
+            devices[name] = value.split()[0] if value.split() else "unknown"
+    return {d: state for d, state in devices.items() if d.startswith("rdma_")}
+
+
+def macos_version() -> str:
+    """"26.2" on macOS, "" elsewhere. From sw_vers: a Python built against an older SDK may be told
+    "16.0" for macOS 26 (Apple's compatibility numbering), which would hide jaccl."""
+    if sys.platform != "darwin":
+        return ""
+    return _run(["sw_vers", "-productVersion"]).strip() or platform.mac_ver()[0]
+
+
+def mlx_version() -> str:
+    """The installed MLX's version ("" without MLX), read from its metadata: the agent never imports MLX."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("mlx")
+    except PackageNotFoundError:
+        return ""
+
+
 # ---------------------------------------------------------------- this machine
 
 def _linux_kind(name: str) -> str:
@@ -142,12 +175,14 @@ def training_memory(cap_bytes: float = None) -> int:
 def describe(agent_id: str, memory_cap: float = None) -> dict:
     """Everything the agent reports in its hello and (shortened) in its mDNS record."""
     ports = _hardware_ports()
-    tb = []
+    tb, rdma = [], {}
     if sys.platform == "darwin":
         tb = thunderbolt_links(ports, parse_thunderbolt(_run(["system_profiler", "SPThunderboltDataType", "-json"])))
+        rdma = parse_ibv_devinfo(_run(["ibv_devinfo"]))  # none before macOS 26.2, or until `rdma_ctl enable`
     return {"id": agent_id, "host": socket.gethostname(), "version": __version__, "chip": chip(),
             "memory": memory_bytes(), "training_memory": training_memory(memory_cap), "platform": sys.platform,
-            "interfaces": interfaces(ports), "thunderbolt": tb}
+            "macos": macos_version(), "mlx": mlx_version(), "interfaces": interfaces(ports), "thunderbolt": tb,
+            "rdma": rdma}
 
 
 def valid_name(text: str) -> bool:

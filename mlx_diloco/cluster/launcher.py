@@ -2,8 +2,9 @@
 
 1. Connect to the chosen agents (found over mDNS or listed), check versions.
 2. Ship each worker its data shard (content-addressed: a restart resends nothing).
-3. Order the ring (Thunderbolt between neighbours where cabled), write the hostfile, start the
-   workers through their agents.
+3. Order the ring (by the links the agents measured, `--measure-links` or `mlx-diloco links`, when
+   every pair has a measurement; else Thunderbolt between neighbours where cabled), write the
+   hostfile and RUN/ring.json, start the workers through their agents.
 4. Watch: every agent is polled twice a second (the heartbeat). Rank 0's metrics are mirrored
    into this run folder's metrics.jsonl, so `mlx-diloco plot` compares cluster and sim runs.
 5. On a failure (a worker exits, stalls, or its agent stops answering), for a strategy that syncs
@@ -30,14 +31,17 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .. import hub
+from .. import hub, run_status
 from ..atomic import atomic_write_text
 from ..config import ConfigError, TrainConfig
 from ..training.metrics import MetricsLog, human_bytes
 from ..worker_job import STOPPED_FOR_CHANGE
 from . import protocol
+from .backend import Plan, machine_problem, plan, start_fields
 from .discovery import AgentClient, AgentError, Found, parse_hosts, watch
-from .ringplan import plan_ring
+from .hostfile import MlxHostfile
+from .linktests import measure_all, pair_summaries
+from .ringplan import plan_ring, ring_hops
 
 
 @dataclass
@@ -66,6 +70,8 @@ class Options:
     add: str = ""                       # agents (HOST[:PORT],...) to admit as they answer, up to max_workers
     discover: bool = False              # the agents were found over mDNS: new ones found there may join
     stop_grace: float = 5.0             # s a worker has to save its state and exit before it is stopped
+    backend: str = "auto"               # ring, jaccl, or auto: jaccl where it can run (cluster/backend.py)
+    measure_links: bool = False         # time every pair's link before the first start (links.py)
 
 
 @dataclass
@@ -84,6 +90,7 @@ class JobState:
     spares: list = field(default_factory=list)    # machines of the job outside the ring (lost, left, added)
     joining: list = field(default_factory=list)   # slots that join at the next start, from a member's state
     change: dict = field(default_factory=dict)    # the membership change under way: what and its clock
+    mlx_hostfile: dict = field(default_factory=dict)  # the MLX hostfile of --hostfile: machines, ring, RDMA devices
 
     def save(self, run_dir: Path):
         atomic_write_text(run_dir / "launch.json", json.dumps(asdict(self), indent=1))
@@ -97,6 +104,9 @@ class JobState:
         state.members = [Member(**m) for m in state.members]
         state.spares = [Member(**m) for m in state.spares]
         return state
+
+
+RESTARTS = ("membership_change", "restarted")  # events whose total_s is time the job did not train
 
 
 class JobFailed(Exception):
@@ -156,7 +166,7 @@ def check_memory(config: TrainConfig, strategy, agents: list):
     from ..memory import estimate, flags, make_it_fit, worker_estimate
     o, shape, need = worker_estimate(config, strategy)
     for a in agents:
-        offered = a.get("training_memory") or 0.9 * a.get("memory", 0)
+        offered = offered_memory(a)
         if need["total"] <= offered:
             continue
         fix = make_it_fit(shape, o, offered)
@@ -165,6 +175,11 @@ def check_memory(config: TrainConfig, strategy, agents: list):
         raise ConfigError(f"{a['host']} offers {human_bytes(offered)} for training but one worker of this job needs "
                           f"about {human_bytes(need['total'])} (model {config.model}, {o.describe()}); {hint}, "
                           "or leave that machine out")
+
+
+def offered_memory(agent: dict) -> float:
+    """The bytes a machine offers training jobs (its hello): what its agent says, else 90% of its memory."""
+    return agent.get("training_memory") or 0.9 * agent.get("memory", 0)
 
 
 def check_model_here(model: str):
@@ -193,13 +208,58 @@ def check_model(model: str, agents: list, clients: list):
                           f"{hub.how_to_get(model)} on each of them, or leave them out")
 
 
+def reach(found: list, secret: bytes, wanted: int, log=print) -> tuple:
+    """The first `wanted` agents of `found` that answer: (their Found, hellos, clients). mDNS keeps
+    records of dead agents for minutes, and a listed machine may be off: skip who does not answer."""
+    reachable, agents, clients = [], [], []
+    for f in found:
+        if len(reachable) == wanted:
+            break
+        try:
+            client = AgentClient(f, secret)
+            agents.append(client.hello())
+            reachable.append(f)
+            clients.append(client)
+        except (AgentError, ConfigError) as e:  # dead, or another cluster's agent (other secret)
+            log(f"[launch] skipping {f.endpoint}: {e}")
+    if len(reachable) < wanted:
+        raise ConfigError(f"{wanted} workers wanted but {len(reachable)} agents answered; start more "
+                          "agents (mlx-diloco agent), pass --hosts, or lower --workers")
+    return reachable, agents, clients
+
+
+def plan_start(backend_flag: str, agents: list, addresses: list, mlx_hostfile: dict) -> Plan:
+    """The ring and backend of a start (cluster/backend.py): the ring plan_ring orders along the
+    agents' Thunderbolt links, or the one an MLX hostfile (--hostfile) describes."""
+    mlx_file = MlxHostfile.from_json(mlx_hostfile, "of this job") if mlx_hostfile else None
+    return plan(backend_flag, agents, addresses, plan_ring(agents, addresses), mlx_file)
+
+
+def dry_run(found: list, secret: bytes, workers: int, backend_flag: str, mlx_file: MlxHostfile = None,
+            log=print) -> str:
+    """What `launch` would do on these machines, without starting anything (`launch --dry-run`):
+    the backend and why, each rank's machine, addresses and RDMA devices, and the MLX hostfile
+    it would write to RUN/hostfile.json."""
+    reachable, agents, _ = reach(found, secret, workers, log)
+    p = plan_start(backend_flag, agents, [f.address for f in reachable], mlx_file.to_json() if mlx_file else {})
+    envs = mlx_file.envs if mlx_file else []
+    return (f"{p.describe(agents)}\nRUN/hostfile.json (mlx.launch --hostfile reads it; each rank's port is "
+            f"chosen by its agent at the start):\n{json.dumps(p.mlx_hostfile(envs).to_json(), indent=4)}\n"
+            "nothing was started (--dry-run)")
+
+
 class Launcher:
     def __init__(self, state: JobState, run_dir: Path, secret: bytes, log=print):
         self.state, self.run_dir, self.secret, self.log = state, Path(run_dir), secret, log
         self.options = Options(**state.options)
         self.clients = {}
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        self.exchanges = MetricsLog(self.run_dir / "exchanges.jsonl")  # rank 0's, mirrored as its metrics are
         self.events = self.run_dir / "events.jsonl"
+        self.restart_s = sum(e["total_s"] for e in self._events() if e["event"] in RESTARTS)
+        self.status = run_status.StatusWriter(self.run_dir, "launch")  # what the dashboard shows of each worker
+        self.step_rate, self.shown, self.offered = run_status.StepRate(), {}, {}
+        self.lost_machines = set()  # (address, port) of the spares whose slot left when they were lost
         self.last_steps = {}      # each worker's last reported step: where a lost one left
         self.pending_join = None  # a machine admitted at the next sync point
         self.discovered = queue.SimpleQueue()  # agents that appeared on mDNS (discovery.watch's thread)
@@ -207,7 +267,8 @@ class Launcher:
 
     # ------------------------------------------------------------ setup
     @classmethod
-    def new(cls, config: TrainConfig, found: list, run_dir: Path, secret: bytes, options: Options, log=print):
+    def new(cls, config: TrainConfig, found: list, run_dir: Path, secret: bytes, options: Options, log=print,
+            mlx_file: MlxHostfile = None):
         from ..training.resolve import resolve
         check_bounds(options, config.workers)
         check_model_here(config.model)
@@ -217,28 +278,20 @@ class Launcher:
         grown, history = with_room_to_grow(config, options.max_workers, elastic)
         if (run_dir / "launch.json").exists():
             raise ConfigError(f"{run_dir} already holds a job; pass --resume to continue it, or another --run-dir")
-        reachable, agents, clients = [], [], []
-        for f in found:  # mDNS keeps records of dead agents for minutes: skip who does not answer
-            if len(reachable) == config.workers:
-                break
-            try:
-                client = AgentClient(f, secret)
-                agents.append(client.hello())
-                reachable.append(f)
-                clients.append(client)
-            except (AgentError, ConfigError) as e:  # dead, or another cluster's agent (other secret)
-                log(f"[launch] skipping {f.endpoint}: {e}")
-        if len(reachable) < config.workers:
-            raise ConfigError(f"{config.workers} workers wanted but {len(reachable)} agents answered; start more "
-                              "agents (mlx-diloco agent), pass --hosts, or lower --workers")
+        reachable, agents, clients = reach(found, secret, config.workers, log)
         check_model(config.model, agents, clients)
         check_memory(config, resolved.strategy, agents)
+        mlx_hostfile = mlx_file.to_json() if mlx_file else {}
+        plan_start(options.backend, agents, [f.address for f in reachable], mlx_hostfile)  # --backend jaccl: now
+        if mlx_file and mlx_file.envs:
+            log(f"[launch] the hostfile's envs ({' '.join(mlx_file.envs)}) are not passed to the workers (an agent "
+                "starts nothing but its worker); set them in each agent's environment")
         members = [Member(f.address, f.port, worker_id=w, host=a["host"])
                    for w, (f, a) in enumerate(zip(reachable, agents))]  # start() orders the ring
         job = f"{run_dir.name[:40]}-{secrets.token_hex(3)}".replace(" ", "_")
         config = grown
         state = JobState(job, config.to_dict(), members, config.workers, asdict(options), elastic=elastic,
-                         membership=history)
+                         membership=history, mlx_hostfile=mlx_hostfile)
         # A planned schedule starts with its first members; the other machines wait for their slots' turn.
         first = planned_members(config, 0)
         state.members, state.spares = [m for m in members if m.worker_id in first], \
@@ -262,6 +315,7 @@ class Launcher:
 
     def event(self, kind: str, **detail):
         row = {"time": time.time(), "event": kind, **detail}
+        self.restart_s += detail["total_s"] if kind in RESTARTS else 0
         with open(self.events, "a") as f:
             f.write(json.dumps(row) + "\n")
         text = " ".join(f"{k}={v}" for k, v in detail.items())
@@ -295,10 +349,12 @@ class Launcher:
     def start(self, resume_step):
         members = self.state.members
         agents = [self.client(m).hello() for m in members]
-        order, addresses, links = plan_ring(agents, [m.address for m in members])
+        self.offered = {m.worker_id: offered_memory(a) for m, a in zip(members, agents)}
+        ring = plan_start(self.options.backend, agents, [m.address for m in members], self.state.mlx_hostfile)
+        order, addresses, links = ring.order, ring.addresses, ring.links
         members = self.state.members = [members[i] for i in order]
         ports = [self.client(m).request("prepare", job=self.state.job)["port"] for m in members]
-        hostfile = [[f"{a}:{p}"] for a, p in zip(addresses, ports)]
+        hostfile = [[f"{a}:{p}" for a in listens] for listens, p in zip(addresses, ports)]
         config, elastic = {**self.state.config, "workers": len(members)}, {}
         resume = {m.worker_id: resume_step for m in members}
         if self.state.elastic:  # the config keeps the job's slots; the ring holds the members
@@ -312,12 +368,32 @@ class Launcher:
             self.client(m).request(
                 "start", job=self.state.job, rank=rank, worker_id=m.worker_id, config=config, hostfile=hostfile,
                 resume_step=resume[m.worker_id], collective_timeout=float(self.options.collective_timeout),
-                data={"files": files, "num_shards": self.state.num_shards} if files else {}, elastic=elastic)
+                data={"files": files, "num_shards": self.state.num_shards} if files else {}, elastic=elastic,
+                **start_fields(ring, ports[0]))
         self.state.save(self.run_dir)
+        # The ring in MLX's format: `mlx.launch --hostfile RUN/hostfile.json` runs on the same machines.
+        ring.mlx_hostfile(self.state.mlx_hostfile.get("envs", [])).write(self.run_dir / "hostfile.json")
+        self.write_ring(agents, ring)
         self.event("started", workers=len(members), resume_step=resume_step if not elastic else resume,
-                   ring=" -> ".join(f"{m.host or m.address}({link})" for m, link in zip(members, links)))
+                   ring=" -> ".join(f"{m.host or m.address}({link})" for m, link in zip(members, links)),
+                   backend=ring.backend, backend_reason=ring.reason)
         self.started_at = time.time()
         return False  # not done: now watch it
+
+    def measure_links(self):
+        """--measure-links: time the link of every pair of the job's machines (links.py) before the first
+        start; the agents keep the results, by which start() orders the ring."""
+        measured = measure_all([m.found for m in self.state.members], self.secret,
+                               timeout_s=self.options.collective_timeout, log=self.log)
+        self.event("links_measured", pairs=pair_summaries(measured))
+
+    def write_ring(self, agents: list, ring: Plan):
+        """RUN/ring.json: this start's ring, one hop per rank (the one from rank r-1): its machine, where it
+        listens, the link's kind and its kept measurement (Gbit/s of bus bandwidth, latency; null without)."""
+        addresses = [listens[0] for listens in ring.addresses]
+        hops = [{"rank": r, "worker": m.worker_id, "host": m.host or m.address, "address": addresses[r], **hop}
+                for r, (m, hop) in enumerate(zip(self.state.members, ring_hops(agents, ring.order, addresses)))]
+        atomic_write_text(self.run_dir / "ring.json", json.dumps(hops, indent=1))
 
     def _own_states(self) -> dict:
         """The step each member resumes from (None: it starts afresh, a joiner or a new job): its newest
@@ -340,6 +416,8 @@ class Launcher:
         if self.state.finished:
             self.log(f"job {self.state.job} already finished")
             return self.summary()
+        if self.options.measure_links and not resume:
+            self.measure_links()
         done = self.reattach() if resume else self.start(resume_step=None)
         if self.state.elastic and self.options.discover:
             threading.Thread(target=watch, args=(self.discovered.put,), daemon=True).start()
@@ -360,7 +438,8 @@ class Launcher:
         True if the job turned out to be finished."""
         try:
             states = [self.client(m).request("status", job=self.state.job, metrics_from=0,
-                                             log_from=protocol.NO_LOG) for m in self.state.members]
+                                             exchanges_from=protocol.NO_LOG, log_from=protocol.NO_LOG)
+                      for m in self.state.members]
         except AgentError as e:
             return self.recover(f"agent unreachable on re-attach ({e})")
         if all(s["state"] == "running" for s in states) or all(s.get("returncode") == 0 for s in states):
@@ -379,7 +458,7 @@ class Launcher:
         bar = tqdm(total=config.steps, desc=f"{config.strategy} x{len(self.state.members)} (cluster)",
                    file=sys.stderr, dynamic_ncols=True)
         last_ok = {m.worker_id: time.time() for m in self.state.members}
-        seen = 0  # rank 0's metrics lines mirrored since the (re)start
+        seen = seen_exchanges = 0  # rank 0's metrics and exchanges lines mirrored since the (re)start
         next_look = time.time()  # machines to admit: looked for every 2 s
         try:
             while True:
@@ -387,7 +466,9 @@ class Launcher:
                 states = {}
                 for m in self.state.members:
                     try:
-                        states[m.worker_id] = self._poll(m, metrics_from=seen if m is self.state.members[0] else 0)
+                        rank0 = m is self.state.members[0]
+                        states[m.worker_id] = self._poll(m, metrics_from=seen if rank0 else 0,
+                                                         exchanges_from=seen_exchanges if rank0 else protocol.NO_LOG)
                         last_ok[m.worker_id] = time.time()
                     except AgentError as e:
                         if time.time() - last_ok[m.worker_id] > self.options.heartbeat_timeout:
@@ -396,7 +477,10 @@ class Launcher:
                 rank0 = states.get(self.state.members[0].worker_id)
                 if rank0:
                     seen += len(rank0.get("metrics", []))
+                    seen_exchanges += len(rank0.get("exchanges", []))
                     self._mirror(rank0.get("metrics", []))
+                    self._mirror(rank0.get("exchanges", []), self.exchanges)
+                self._show(states)
                 failure = self._failure(states)
                 if failure:
                     return failure
@@ -423,12 +507,13 @@ class Launcher:
         finally:
             bar.close()
 
-    def _poll(self, m: Member, metrics_from: int) -> dict:
-        """One heartbeat: the worker's state, rank 0's new metrics lines, and the worker's new output,
-        appended to RUN/logs/worker-K.log (whose size says how much has been copied)."""
+    def _poll(self, m: Member, metrics_from: int, exchanges_from: int = protocol.NO_LOG) -> dict:
+        """One heartbeat: the worker's state, rank 0's new metrics and exchanges lines, and the worker's
+        new output, appended to RUN/logs/worker-K.log (whose size says how much has been copied)."""
         log = self.run_dir / "logs" / f"worker-{m.worker_id}.log"
         have = log.stat().st_size if log.exists() else 0
-        status = self.client(m).request("status", job=self.state.job, metrics_from=metrics_from, log_from=have)
+        status = self.client(m).request("status", job=self.state.job, metrics_from=metrics_from,
+                                        exchanges_from=exchanges_from, log_from=have)
         with open(log, "ab") as f:
             f.write(status.get("log", b""))
         return status
@@ -461,20 +546,78 @@ class Launcher:
                 found.append((1, f"{who} did not start training within {self.options.startup_timeout:.0f} s"))
         return {"lost": [], "why": min(found)[1]} if found else None
 
-    def _mirror(self, lines: list):
-        last = self._last_step()
-        with open(self.metrics.path, "a") as f:
+    def _mirror(self, lines: list, log: MetricsLog = None):
+        """Append rank 0's lines to this folder's copy (metrics.jsonl, or `log`) that it lacks: those of
+        later steps than its last, and of that step those not in it (one step's exchanges may come in
+        two polls). After a restart the lines come again from the start of rank 0's file."""
+        log = log or self.metrics
+        have = [line for line in log.path.read_text().splitlines() if line.strip()] if log.path.exists() else []
+        last = json.loads(have[-1])["step"] if have else None
+        at_last = {line for line in have if json.loads(line)["step"] == last}
+        with open(log.path, "a") as f:
             for line in lines:
-                row = json.loads(line)
-                if last is None or row["step"] > last:
+                step = json.loads(line)["step"]
+                if last is None or step > last or (step == last and line not in at_last):
                     f.write(line + "\n")
-                    last = row["step"]
+                    at_last = at_last if step == last else set()
+                    last = step
+                    at_last.add(line)
 
-    def _last_step(self):
-        if not self.metrics.path.exists():
-            return None
-        rows = MetricsLog.read(self.metrics.path)
-        return rows[-1]["step"] if rows else None
+    # ------------------------------------------------------------ status.json (the dashboard)
+    def _show(self, states: dict):
+        """RUN/status.json (run_status.py) from one poll of the members (`states`: the answers): each
+        worker's machine, state, step rate, tokens/s, memory against what its machine offers."""
+        self._write_status([self._row(m, states.get(m.worker_id)) for m in self.state.members])
+
+    def _show_all(self, state: str, lost=()):
+        """While the ring is down (a restart, a change, a wait for lost machines): every member in
+        `state`, those of `lost` lost, each with what it reported last."""
+        self._write_status([{**self.shown.get(m.worker_id, {"worker": m.worker_id, "host": m.host or m.address}),
+                             "state": "lost" if m.worker_id in lost else state} for m in self.state.members], force=True)
+
+    def _write_status(self, rows: list, force: bool = False):
+        """The members' rows (in ring order, with their ranks), then the machines out of the ring: lost,
+        or waiting to join."""
+        rows = [{**row, "rank": rank} for rank, row in enumerate(rows)]
+        spares = [{"worker": m.worker_id if m.worker_id >= 0 else None, "host": m.host or m.address,
+                   "state": "lost" if (m.address, m.port) in self.lost_machines else "waiting"}
+                  for m in self.state.spares]
+        step = min((r["step"] for r in rows if r.get("step") is not None), default=0)
+        self.status.write(step, self.state.config["steps"], rows + spares, force=force)
+
+    def _row(self, m: Member, status) -> dict:
+        """A member's row from its poll (None: its agent did not answer), over what it reported before."""
+        row = {**self.shown.get(m.worker_id, {}), "worker": m.worker_id, "host": m.host or m.address,
+               "memory_limit_bytes": self.offered.get(m.worker_id), "restart_s": self.restart_s}
+        p = status and status.get("progress")
+        if p:
+            row.update(step=p["step"], loss=p["loss"], tokens_per_s=p["tokens_per_s"],
+                       steps_per_s=self.step_rate(m.worker_id, p["time"], p["step"]), **run_status.passed(p))
+        row["state"] = self._state_of(status, p, row.get("steps_per_s"))
+        self.shown[m.worker_id] = row
+        return row
+
+    def _state_of(self, status, progress, steps_per_s) -> str:
+        """What a member's worker is doing (run_status.STATES). One whose last step is older than three
+        of its step times (2 s at least) is blocked in a collective: syncing if the step it is in
+        ends at a sync point (or its strategy syncs every step), else waiting on a peer."""
+        if status is None or status["state"] == "unknown":
+            return "lost"
+        if status["state"] == "exited":
+            return {0: "done", STOPPED_FOR_CHANGE: "restarting"}.get(status["returncode"], "failed")
+        if not progress:
+            return "starting"
+        if progress.get("stopped"):
+            return "restarting"
+        if progress["age_s"] > max(2.0, 3 / (steps_per_s or 1)):
+            period = self.state.config.get("strategy_options", {}).get("sync_every")
+            return "syncing" if not period or (progress["step"] + 1) % period == 0 else "waiting"
+        return "training"
+
+    def _truncate_mirrors(self, step: int):
+        """The rows after `step` are redone by the restarted ring: drop them from the copies."""
+        self.metrics.truncate_after(step)
+        self.exchanges.truncate_after(step)
 
     def recover(self, failure):
         """Stop the round everywhere and restart from the newest checkpoint every worker holds.
@@ -482,11 +625,13 @@ class Launcher:
         if isinstance(failure, str):
             failure = {"lost": [], "why": failure}
         self.event("failure", why=failure["why"])
+        self._show_all("restarting", lost=failure["lost"])
         self.state.restarts += 1
         if self.state.restarts > self.options.max_restarts:
             raise JobFailed(f"gave up after {self.options.max_restarts} restarts; last failure: {failure['why']}")
         if self.state.elastic:
             return self._recover_keeping_steps(failure)
+        self._begin_change("restart")  # its cost is reported once every worker steps again
         lost = set(failure["lost"])
         for m in self.state.members:
             try:
@@ -506,8 +651,11 @@ class Launcher:
             self._mirror_all()
             self.event("finished", step=step)
             return True
-        self.metrics.truncate_after(step if step is not None else -1)
-        return self.start(resume_step=step)
+        self._truncate_mirrors(step if step is not None else -1)
+        self.state.change["stopped_at"] = time.time()
+        done = self.start(resume_step=step)
+        self.state.change["started_at"] = time.time()
+        return done
 
     # ------------------------------------------------------------ membership changes (elastic jobs)
     def _held(self) -> set:
@@ -559,7 +707,8 @@ class Launcher:
     def _still_running(self, m: Member) -> bool:
         """Whether its worker still runs; notes the last step it reported."""
         try:
-            status = self.client(m).request("status", job=self.state.job, metrics_from=0, log_from=protocol.NO_LOG)
+            status = self.client(m).request("status", job=self.state.job, metrics_from=0,
+                                            exchanges_from=protocol.NO_LOG, log_from=protocol.NO_LOG)
         except AgentError:
             return False
         if status.get("progress"):
@@ -582,6 +731,7 @@ class Launcher:
             self._record(step, f"-{m.worker_id}")
             self.state.members.remove(m)
             self.state.spares.append(m)
+            self.lost_machines.add((m.address, m.port))
             self.event("left", worker=m.worker_id, host=m.host, step=step, workers=len(self.state.members))
 
     def _record(self, step: int, what: str):
@@ -621,11 +771,13 @@ class Launcher:
 
     def _ready_to_join(self, m: Member) -> bool:
         """Whether machine `m` answers, runs this version and holds the model. A machine that answers
-        but cannot take part (another mlx-diloco version, another cluster's secret) is refused once,
-        in an event naming why and the fix, and left out."""
+        but cannot take part (another mlx-diloco version, another cluster's secret, no jaccl with
+        --backend jaccl) is refused once, in an event naming why and the fix, and left out."""
         try:
             client = AgentClient(m.found, self.secret, timeout_s=0.5)  # (a sleeping Mac must not hold up the watch)
             agent = client.hello()
+            if self.options.backend == "jaccl" and (why := machine_problem(agent)):
+                raise ConfigError(f"--backend jaccl: {why}")
             if hub.names_files(self.state.config["model"]) and not has_model(client, self.state.config["model"]):
                 return False
             client.request("stop", job=self.state.job)  # a worker of this job still running there (it slept)
@@ -642,6 +794,7 @@ class Launcher:
     def change_members(self, stopped: dict) -> bool:
         """Every member saved its state at the same step for a membership change: the machine asked to
         join joins, or the members the schedule plans from the next step on form the ring."""
+        self._show_all("restarting")
         step = max(info["step"] for info in stopped.values())
         self.last_steps.update({int(w): info["step"] for w, info in stopped.items()})
         if not self.state.change:
@@ -668,6 +821,7 @@ class Launcher:
         return self._restart_from_own_states()
 
     def _join(self, m: Member):
+        self.lost_machines.discard((m.address, m.port))
         self.state.spares.remove(m)
         self.state.members.append(m)
         self.state.joining.append(m.worker_id)
@@ -686,18 +840,20 @@ class Launcher:
             return True
         self.state.change["redone_steps"] = {str(w): self.last_steps.get(w, 0) - s for w, s in steps.items()
                                              if s is not None and w in self.last_steps}
-        self.metrics.truncate_after(min([s for s in steps.values() if s is not None], default=-1))
+        self._truncate_mirrors(min([s for s in steps.values() if s is not None], default=-1))
         self.start(resume_step=None)
         self.state.change["started_at"] = time.time()
         return False
 
     def _note_first_steps(self, progress: list):
-        """Once every worker of a new ring has taken a step: the change is over; report its cost."""
+        """Once every worker of a new ring has taken a step: the change (or the restart) is over; report
+        its cost."""
         change = self.state.change
         if not change or "started_at" not in change or len(progress) < len(self.state.members):
             return
         now, began = time.time(), change["began"]
-        self.event("membership_change", change=change["kind"], workers=len(self.state.members),
+        self.event("restarted" if change["kind"] == "restart" else "membership_change", change=change["kind"],
+                   workers=len(self.state.members),
                    stop_s=round(change["stopped_at"] - began, 2), start_s=round(change["started_at"] -
                                                                                  change["stopped_at"], 2),
                    first_step_s=round(now - change["started_at"], 2), total_s=round(now - began, 2),
@@ -707,13 +863,16 @@ class Launcher:
 
     def _mirror_all(self):
         try:
-            self._mirror(self._poll(self.state.members[0], metrics_from=0).get("metrics", []))
+            rank0 = self._poll(self.state.members[0], metrics_from=0, exchanges_from=0)
+            self._mirror(rank0.get("metrics", []))
+            self._mirror(rank0.get("exchanges", []), self.exchanges)
         except AgentError:
             pass  # rank 0's machine is gone: its last rows with it
 
     def _wait_for(self, lost: set):
         waiting = [m for m in self.state.members if m.worker_id in lost]
         self.event("waiting", workers=sorted(lost))
+        self._show_all("waiting", lost=lost)
         while waiting:
             time.sleep(2)
             for m in list(waiting):
@@ -742,6 +901,8 @@ class Launcher:
                    "final_eval_loss": last.get("eval_loss"), "restarts": self.state.restarts,
                    "bytes_sent_per_worker": last.get("bytes_sent_per_worker"), "utilisation": last.get("utilisation"),
                    "compute_s": last.get("compute_s"), "wall_s": last.get("wall_s"),
+                   **{key: last.get(key) for key in ("measured_utilisation", "busy_s", "link_s", "straggler_s", "mfu")},
+                   "restart_s": self.restart_s,
                    "tokens_per_shard": last.get("tokens_per_shard"), "inner_steps_lost": last.get("inner_steps_lost"),
                    "membership_changes": [e for e in self._events() if e["event"] == "membership_change"]}
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=1))

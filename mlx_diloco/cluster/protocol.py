@@ -11,7 +11,7 @@ A frame from another connection (other nonce), a replayed or reordered frame (wr
 reflected frame (wrong direction), a frame signed with another secret, an oversized frame and a
 payload whose fields do not match the message's schema are all rejected. The peer that rejects
 says why and closes the connection; nothing in a frame can make an agent run anything but
-mlx-diloco's own worker (see agent.py).
+mlx-diloco's own worker and link test (see agent.py).
 
 Until its first frame has proven that the peer holds the secret, a connection is held to
 FIRST_FRAME bytes and FIRST_FRAME_S seconds (the agent reads first frames without a thread each:
@@ -26,7 +26,9 @@ import struct
 
 import msgpack
 
-VERSION = 2  # 2: membership changes (save_and_exit, elastic starts)
+VERSION = 5  # 2: membership changes (save_and_exit, elastic starts); 3: status sends exchanges lines;
+#             4: hello reports RDMA devices, start carries the backend (jaccl: devices, coordinator);
+#             5: measured links (measure_link; hello reports the links kept)
 DEFAULT_PORT = 52525
 MAX_FRAME = 8 << 20          # bytes; data is sent in chunks well below this
 FIRST_FRAME = 4 << 10        # bytes: the limit until a frame has proven the peer holds the secret
@@ -62,10 +64,12 @@ SCHEMAS = {
     "prepare": {"job": (str,)},
     "start": {"job": (str,), "rank": (int,), "worker_id": (int,), "config": (dict,), "hostfile": (list,),
               "data": (dict,), "resume_step": (int, type(None)), "collective_timeout": (float, int)},
-    "status": {"job": (str,), "metrics_from": (int,), "log_from": (int,)},
+    "status": {"job": (str,), "metrics_from": (int,), "exchanges_from": (int,), "log_from": (int,)},
     "checkpoints": {"job": (str,)},
     "save_and_exit": {"job": (str,), "when": (str,), "after": (int,)},
     "stop": {"job": (str,)},
+    "measure_link": {"job": (str,), "rank": (int,), "hostfile": (list,), "sizes": (list,), "link_kind": (str,),
+                     "peer": (dict,), "collective_timeout": (float, int)},
 }
 
 
@@ -86,7 +90,7 @@ def load_secret(secret_file: str = None) -> bytes:
     return value
 
 
-NO_LOG = 1 << 62  # a status request's log_from past any log: no output bytes wanted
+NO_LOG = 1 << 62  # a status request's log_from (or exchanges_from) past any log: none of it wanted
 
 
 def file_digest(path) -> str:

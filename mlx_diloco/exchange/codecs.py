@@ -37,7 +37,7 @@ from ..options import ConfigError
 
 GROUP = 128  # values per quantization group: fp16 scale (and bias) cost 2-4 bytes per 128 values
 UNIT_BYTES = 4  # one float32 power of two per message
-CHECK_BYTES = 8  # per worker before every exchange (comm.py): its largest magnitude and a non-finite flag, float32
+CHECK_BYTES = 12  # per worker before every exchange (comm.py): its largest magnitude, a non-finite flag, its arrival, float32
 TOP = 14        # a message's largest |x / unit| lies in [2^(TOP - 1), 2^TOP): fp16 holds it, and sums of it, with room
 ROUNDINGS = ("nearest", "stochastic")
 # Each quantized codec's default rounding, from Streaming DiLoCo runs (`python bench/streaming.py`: small

@@ -17,11 +17,14 @@ a codec (codecs.py), and reduced by the cheapest algorithm that codec allows:
                                         decoding, adding in fp32 and re-encoding its chunk
                                         (as PCCL does): sends 2(M-1)/M payloads
 
-Before every exchange the workers all-gather two float32 numbers each (CHECK_BYTES, counted in
+Before every exchange the workers all-gather three float32 numbers each (CHECK_BYTES, counted in
 the bytes sent): their largest magnitude, from which the summed codecs take the unit every
-worker divides by (codecs.py), and whether any of their values is NaN or inf. A NaN or an inf never
-reaches the mean: when the exchange is waited on, every worker of the job raises
-NonFiniteValues naming the same workers (peers on a ring stop together; none waits on another).
+worker divides by (codecs.py), whether any of their values is NaN or inf, and how long after they
+last left a wait on their peers they arrived. A NaN or an inf never reaches the mean: when the
+exchange is waited on, every worker of the job raises NonFiniteValues naming the same workers
+(peers on a ring stop together; none waits on another). The arrival times split a worker's wait in
+two: the workers leave a collective together, so the last one's arrival minus this one's is time
+spent waiting for slower workers; the rest of the wait is the link.
 
 Exchanges start asynchronously on their own stream (so Streaming DiLoCo can overlap them with
 inner steps); every wait on one is counted (and, on a cluster, watched), and every exchange is
@@ -91,6 +94,7 @@ class CollectiveRecord:
     tag: str = ""         # what was exchanged (e.g. "fragment 2")
     overlap_steps: int = 0  # inner steps of compute that run while it travels
     blocked_s: float = 0.0  # measured time this process waited for it
+    straggler_s: float = 0.0  # of which: waiting for the last worker to arrive
     done: bool = False
 
 
@@ -110,6 +114,7 @@ class Pending:
             mx.eval(self._out, *[a for a in (self._check, self.lost) if a is not None])
         self.record.done = True
         if self._check is not None:
+            self._comm._count_straggling(self.record, self._check[:, 2].tolist())
             bad = [w for w, flag in enumerate(self._check[:, 1].tolist()) if flag]
             if bad:
                 raise NonFiniteValues(bad, self.record.tag)
@@ -122,9 +127,11 @@ class Communicator:
     local_workers: list           # job-wide indices of the replicas on the leading axis
     records: list = field(default_factory=list)
     wait_s: float = 0.0           # time spent waiting for exchanges to finish
+    straggler_s: float = 0.0      # of which: waiting for slower workers to arrive (the rest: the link)
 
     def __post_init__(self):
         self.stream = mx.new_stream(mx.cpu)  # exchanges run here, beside the compute stream
+        self._left_at = time.perf_counter()  # when this process last left a wait on its peers
 
     # ---- what a transport implements
     def _sum_workers(self, x: mx.array) -> mx.array:
@@ -145,17 +152,33 @@ class Communicator:
         yield
 
     @contextmanager
+    def _with_peers(self):
+        """Around every wait on the other processes: watched, and noting when it ended."""
+        try:
+            with self._watched():
+                yield
+        finally:
+            self._left_at = time.perf_counter()
+
+    @contextmanager
     def _blocked(self, record: CollectiveRecord = None):
         """Around every wait on an exchange: counts the time."""
         t0 = time.perf_counter()
         try:
-            with self._watched():
+            with self._with_peers():
                 yield
         finally:
             waited = time.perf_counter() - t0
             self.wait_s += waited
             if record is not None:
                 record.blocked_s += waited
+
+    def _count_straggling(self, record: CollectiveRecord, arrived: list):
+        """The part of an exchange's wait spent for the last worker to arrive (`arrived`: every
+        worker's time from its last wait on peers to the exchange's start)."""
+        late = min(record.blocked_s, max(0.0, max(arrived) - arrived[self.local_workers[0]]))
+        record.straggler_s += late
+        self.straggler_s += late
 
     # ---- what strategies call
     @property
@@ -191,15 +214,17 @@ class Communicator:
                        check=check, lost=lost)
 
     def _check(self, arrays: list) -> mx.array:
-        """(num_workers, 2) float32: every worker's largest magnitude over `arrays` (each
-        (n_local, ...)) and 1 where any of its values is NaN or inf, all-gathered (CHECK_BYTES each).
+        """(num_workers, 3) float32: every worker's largest magnitude over `arrays` (each
+        (n_local, ...)), 1 where any of its values is NaN or inf, and the seconds since it last left
+        a wait on its peers, all-gathered (CHECK_BYTES each).
         Reductions only, no temporary the size of the values: max and min carry a NaN or an inf
         through (and a worker with one stops the run, so its magnitude is never used)."""
         top = mx.zeros((self.n_local,))
         for a in arrays:
             a = a.reshape(self.n_local, -1)
             top = mx.maximum(top, mx.maximum(a.max(axis=1), -a.min(axis=1)).astype(mx.float32))
-        return self._gather_workers(mx.stack([top, (~mx.isfinite(top)).astype(mx.float32)], axis=1))
+        arrived = mx.full((self.n_local,), time.perf_counter() - self._left_at)
+        return self._gather_workers(mx.stack([top, (~mx.isfinite(top)).astype(mx.float32), arrived], axis=1))
 
     # ---- the three algorithms: each returns the mean (L',) and, with feedback, what it lost (n_local, L)
     def _summed(self, buffer, codec, check, feedback):
@@ -286,17 +311,18 @@ class Communicator:
         arrays = [v for _, v in tree_flatten(tree) if mx.issubdtype(v.dtype, mx.floating)]
         with mx.stream(self.stream):
             check = self._check(arrays)
-        with self._watched():
+        with self._with_peers():
             bad = [w for w, flag in enumerate(check[:, 1].tolist()) if flag]
         if bad:
             raise NonFiniteValues(bad, what, verb="holds")
 
     def gather_metric(self, values: mx.array) -> list:
         """Every worker's value of a per-worker measurement (e.g. its eval loss): (n_local,) -> a list
-        of num_workers floats. Bookkeeping, not part of the algorithm: not counted as an exchange."""
+        of num_workers floats ((n_local, k): of lists of k). Bookkeeping, not part of the algorithm:
+        not counted as an exchange."""
         with mx.stream(self.stream):
             out = self._gather_workers(values.astype(mx.float32))
-        with self._watched():
+        with self._with_peers():
             return out.tolist()
 
     def broadcast(self, tree, source: int):

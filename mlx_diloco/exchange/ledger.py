@@ -29,7 +29,7 @@ class ExchangeLedger:
             rows.append({"step": step, "what": r.tag, "codec": r.codec, "algorithm": r.algorithm,
                          "payload_bytes": r.payload_bytes, "sent_bytes": r.sent_bytes,
                          "overlap_steps": r.overlap_steps, "modelled_s": modelled, "exposed_s": exposed,
-                         "blocked_s": r.blocked_s})
+                         "blocked_s": r.blocked_s, "straggler_s": r.straggler_s})
         return rows
 
     def state(self) -> dict:

@@ -1,4 +1,5 @@
-"""The real-cluster transport: one worker per process, MLX's ring backend between processes.
+"""The real-cluster transport: one worker per process, MLX's ring backend between processes (or
+jaccl, RDMA over Thunderbolt 5, where the launcher chose it: cluster/backend.py).
 
 Collectives run on the CPU stream even on Metal, on inputs evaluated beforehand (comm.py does
 that), so no GPU command buffer ever waits on a peer (REFERENCE.md: Metal's watchdog kills buffers that wait).
@@ -6,7 +7,10 @@ that), so no GPU command buffer ever waits on a peer (REFERENCE.md: Metal's watc
 MLX's ring raises ~1 s after a peer dies but waits forever on a peer that stalls, and a group
 cannot be re-formed in a process. So every wait on the ring runs under a watchdog: past the
 collective timeout the process prints every thread's stack and exits, and the launcher restarts
-the job from its last checkpoint.
+the job from its last checkpoint. jaccl needs that watchdog more: a dead peer leaves its survivors
+spinning at 100% CPU forever, with no error (ml-explore/mlx#4278), so its group goes through the
+same RingCommunicator, every wait under the same watchdog. (An unplugged cable crashes jaccl with
+SIGSEGV instead, mlx#4192: the agent reports the signal and the launcher recovers as for any death.)
 """
 
 import json
@@ -50,15 +54,20 @@ class RingCommunicator(Communicator):
             yield
 
 
-def init_ring(timeout_s: float = 60.0, workers_per_process: int = 1) -> Communicator:
-    """Join the group described by MLX_RANK and MLX_HOSTFILE (under the watchdog: a peer that
-    never comes up must not keep this process waiting forever)."""
-    hostfile = os.environ.get("MLX_HOSTFILE", "")
-    if not hostfile or not Path(hostfile).is_file():
-        raise ConfigError(f"MLX_HOSTFILE ({hostfile or 'unset'}) names no file; workers are started by "
-                          "'mlx-diloco launch', or by hand with MLX_RANK and MLX_HOSTFILE set")
-    if len(json.loads(Path(hostfile).read_text())) == 1:  # alone, MLX's ring would wait for a peer forever
+def init_ring(timeout_s: float = 60.0, workers_per_process: int = 1, backend: str = "ring") -> Communicator:
+    """Join the group described by MLX's environment (under the watchdog: a peer that never comes
+    up must not keep this process waiting forever): MLX_RANK and MLX_HOSTFILE for the ring; for
+    jaccl MLX_RANK, MLX_IBV_DEVICES (the device matrix's file) and MLX_JACCL_COORDINATOR, as
+    mlx.launch sets them (mlx/_distributed_utils/launch.py)."""
+    variable = "MLX_IBV_DEVICES" if backend == "jaccl" else "MLX_HOSTFILE"
+    path = os.environ.get(variable, "")
+    if not path or not Path(path).is_file():
+        raise ConfigError(f"{variable} ({path or 'unset'}) names no file; workers are started by "
+                          f"'mlx-diloco launch', or by hand with MLX_RANK and {variable} set")
+    if len(json.loads(Path(path).read_text())) == 1:  # alone, MLX's ring would wait for a peer forever
         return SimCommunicator(workers_per_process)
     with watchdog(max(timeout_s, 30.0)):
-        group = mx.distributed.init(backend="ring", strict=True)
+        group = mx.distributed.init(backend=backend, strict=True)
+        if backend == "jaccl":  # every RDMA connection answers before training starts, within this watchdog
+            mx.eval(mx.distributed.all_sum(mx.zeros(1), group=group, stream=mx.cpu))
     return RingCommunicator(group, timeout_s, workers_per_process)

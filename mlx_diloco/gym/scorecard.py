@@ -7,6 +7,9 @@
     bytes sent            per worker, in all; and the largest single exchange
     utilisation           modelled share of the time spent computing (not waiting for the link
                           or for slower workers) on the problem's link
+    measured              the same share as this machine measured it (its waits on its peers,
+                          split into the link and slower workers: comm.py), and the model FLOPs
+                          utilisation, MFU (utilisation.py)
     drift                 how far the workers' models are apart when they sync: the spread
                           (max - min) of their eval losses, mean over the evaluations
 """
@@ -50,6 +53,7 @@ def scorecard(run_dir, problem=None, target_loss: float = None) -> dict:
         "modelled_s": last["modelled_time_s"], "link": last["link"],
         "bytes_sent_per_worker": last["bytes_sent_per_worker"], "peak_exchange_bytes": last["peak_exchange_bytes"],
         "utilisation": last["utilisation"], "idle_fraction": last.get("idle_fraction", 0.0),
+        **{key: last.get(key) for key in ("measured_utilisation", "busy_s", "link_s", "straggler_s", "mfu")},
         "worker_spread": sum(spreads) / len(spreads) if spreads else 0.0,
         "wall_s": last["wall_s"], "strategy_options": options,
         "worker_speeds": config.get("worker_speeds", ""), "speed_policy": config.get("speed_policy", "fixed"),
@@ -83,7 +87,7 @@ def fmt(value, kind: str = "") -> str:
     if kind == "s":
         return f"{value:,.0f} s" if value >= 10 else f"{value:.1f} s"
     if kind == "%":
-        return f"{100 * value:.0f}%"
+        return f"{100 * value:.0f}%" if value >= 0.1 else f"{100 * value:.1f}%"
     if isinstance(value, float):
         return f"{value:.4f}" if kind == "loss" else f"{value:.3g}"
     return f"{value:,}" if isinstance(value, int) else str(value)
@@ -93,6 +97,7 @@ COLUMNS = [("run", "label", ""), ("workers", "workers", ""), ("eval loss", "fina
            ("steps to target", "steps_to_target", ""), ("time to target", "modelled_s_to_target", "s"),
            ("time", "modelled_s", "s"), ("sent/worker", "bytes_sent_per_worker", "bytes"),
            ("peak exchange", "peak_exchange_bytes", "bytes"), ("utilisation", "utilisation", "%"),
+           ("measured", "measured_utilisation", "%"), ("MFU", "mfu", "%"),
            ("worker spread", "worker_spread", "")]
 
 
@@ -117,9 +122,19 @@ def describe(card: dict) -> str:
         f"  final eval loss {card['final_eval_loss']:.4f}; {reach}",
         f"  modelled time {fmt(card['modelled_s'], 's')} on {card['link']}, utilisation {fmt(card['utilisation'], '%')}"
         + (f", idle waiting for slower workers {fmt(card['idle_fraction'], '%')}" if card["idle_fraction"] else ""),
+        f"  measured here: {time_spent(card)}",
         f"  sent per worker {fmt(card['bytes_sent_per_worker'], 'bytes')}, largest exchange "
         f"{fmt(card['peak_exchange_bytes'], 'bytes')}; worker spread (eval loss max - min) {card['worker_spread']:.4f}",
     ])
+
+
+def time_spent(s: dict) -> str:
+    """Where a run's time went as measured, and its MFU, in a line (a scorecard, a summary)."""
+    if s.get("measured_utilisation") is None:  # a run from before these were measured
+        return "-"
+    return (f"compute {fmt(s['busy_s'], 's')}, waiting for the link {fmt(s['link_s'], 's')}, for slower workers "
+            f"{fmt(s['straggler_s'], 's')}" + (f", restarts {fmt(s['restart_s'], 's')}" if s.get("restart_s") else "")
+            + f"; utilisation {fmt(s['measured_utilisation'], '%')}, MFU {fmt(s['mfu'], '%')}")
 
 
 def plot(cards: list, out: Path, title: str = None) -> Path:

@@ -10,6 +10,7 @@ through mlx-lm's own callbacks), and any logger a user passes to `Run(callbacks=
 
 import importlib.util
 import json
+import platform
 import sys
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from tqdm import tqdm
 
 from ..atomic import atomic_write_text
 from ..options import ConfigError
+from ..run_status import StatusWriter, StepRate, passed
 from .metrics import MetricsLog, human_bytes
 
 
@@ -30,6 +32,7 @@ class TrainingCallback:
     def on_train_loss_report(self, info: dict):
         """After every step at which this process's workers trained (a slower worker may wait out
         a step: speeds.py): {"step", "steps", "loss": the mean of this step's local losses,
+        "worker_losses": each local worker's (None for one that did not train at this step),
         "tokens_per_s": this process's, "job_tokens_per_s": the whole job's, "sync_s": time spent
         waiting for exchanges so far, "bytes_sent": by one worker so far}."""
 
@@ -92,7 +95,8 @@ class ProgressBar(TrainingCallback):
 
 
 class ProgressFile(TrainingCallback):
-    """A small JSON file rewritten at every step, which a cluster's agent reads to report on its worker."""
+    """A small JSON file rewritten at every step, which a cluster's agent reads to report on its worker
+    (and the launcher, in turn, in the run's status.json: run_status.py)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -100,7 +104,37 @@ class ProgressFile(TrainingCallback):
     def on_train_loss_report(self, info):
         atomic_write_text(self.path, json.dumps({
             "step": info["step"], "steps": info["steps"], "loss": info["loss"], "tokens_per_s": info["tokens_per_s"],
-            "sync_s": info["sync_s"], "bytes_sent": info["bytes_sent"], "time": time.time()}), durable=False)
+            **passed(info), "time": time.time()}), durable=False)
+
+
+class StatusFile(TrainingCallback):
+    """status.json (run_status.py) off a cluster: each worker this process trains, at most twice a
+    second, in `folder` (the run folder, or worker-W for the other processes of sim --processes)."""
+
+    def __init__(self, folder: Path, workers: list):
+        self.writer, self.workers, self.rate = StatusWriter(folder, "sim"), workers, StepRate()
+        self.host, self.rows = platform.node(), []
+
+    def on_train_begin(self, info):
+        self.rows = [{"worker": w, "host": self.host, "step": info["step"], "state": "training"} for w in self.workers]
+        self.writer.write(info["step"], info["steps"], self.rows, force=True)
+
+    def on_train_loss_report(self, info):
+        """A worker without a loss at this step did not train at it: it waits (a slower worker, or one
+        out of the job until its turn in a membership schedule)."""
+        if not self.writer.due():
+            return
+        step, trained = info["step"], sum(loss is not None for loss in info["worker_losses"])
+        rate = self.rate("process", time.time(), step)
+        self.rows = [{"worker": w, "host": self.host, "step": step, "steps_per_s": rate, "loss": loss,
+                      "state": "training" if loss is not None else "waiting",
+                      "tokens_per_s": info["tokens_per_s"] / trained if loss is not None else None, **passed(info)}
+                     for w, loss in zip(self.workers, info["worker_losses"])]
+        self.writer.write(step, info["steps"], self.rows)
+
+    def on_train_end(self, summary):
+        rows = [{**row, "step": summary["steps"], "state": "done"} for row in self.rows]
+        self.writer.write(summary["steps"], summary["steps"], rows, force=True)
 
 
 class Loggers(TrainingCallback):

@@ -13,7 +13,7 @@ import math
 import shutil
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -29,12 +29,14 @@ from ..exchange.network import parse_link
 from ..exchange.worker_axis import flatten_workers, unflatten
 from ..models.adapters import ADAPTERS, save_adapters
 from ..models.checkpointing import checkpoint_blocks
-from ..models.finetune import ADAPTER_TYPES, adapter_config, apply_fine_tune, is_quantized
+from ..models.finetune import ADAPTER_TYPES, adapter_config, apply_fine_tune, is_quantized, trainable_count
 from ..models.precision import to_bf16
+from ..memory import model_shape
 from ..models.zoo import count_parameters
 from ..run_folder import check_new_run_dir, latest_step
+from ..utilisation import flops_per_token, mfu, peak_gflops
 from . import checkpoint
-from .callbacks import Loggers, MetricsFile, ProgressBar, ProgressFile, check_loggers
+from .callbacks import Loggers, MetricsFile, ProgressBar, ProgressFile, StatusFile, check_loggers
 from .metrics import MetricsLog
 from .pacing import Pacing
 from .resolve import Parts, parts_from_config, resolve, saved_config
@@ -92,6 +94,18 @@ def memory_limit(gb: float):
         yield
     finally:
         mx.set_memory_limit(previous)
+
+
+def model_flops_per_token(model, spec, config: TrainConfig):
+    """Training FLOPs per token of the model as built (its adapters, if any, what trains), or None
+    for a model that is not a transformer language model (utilisation.py)."""
+    if spec is None or not spec.is_language_model:
+        return None
+    trainable = trainable_count(model) if config.fine_tune_type in ADAPTER_TYPES else None
+    # memory.Shape's parameters: the base's, adapters apart (a quantized model's count leaves them out)
+    base = count_parameters(model) - (0 if is_quantized(model) else trainable or 0)
+    shape = replace(model_shape(spec.params, base), trainable=trainable)
+    return flops_per_token(shape, config.seq_len, tied_head=not hasattr(model, "lm_head"))
 
 
 def convert_model(model, config: TrainConfig):
@@ -184,10 +198,14 @@ class Run:
         self.ledger = ExchangeLedger(parse_link(config.link))
         self.steps_done = 0
         self.compute_s = 0.0     # measured compute time of one worker
+        self.waited_s = {"link_s": 0.0, "straggler_s": 0.0}  # before this process: a checkpoint's
         self._step_s = 0.0       # the last inner step's (a slow worker may wait out the first ticks)
         self._loss_sum, self._loss_count = self._no_train_losses()  # each local worker's, since the last evaluation
         self.wall_start = time.time()
         self.n_params = count_parameters(model)
+        self.flops_per_token = model_flops_per_token(model, self.spec, config)
+        self.peak_gflops = peak_gflops() if self.flops_per_token else None
+        self.tokens_here = 0     # tokens this process trained (its MFU over its wall-clock time)
         if resume:
             self._restore()
         elif reporter:  # everything checked out: only now create the run folder
@@ -223,6 +241,8 @@ class Run:
                 own.append(Loggers(self.config, self.run_dir))
         if self.place.progress_path:
             own.append(ProgressFile(self.place.progress_path))
+        else:  # (a cluster's launcher writes the job's status.json from the progress files)
+            own.append(StatusFile(self.checkpoint_dir, self.slots))
         return own
 
     def _report(self, hook: str, info: dict):
@@ -335,9 +355,23 @@ class Run:
         losses = tick.losses if tick.members is None else tick.losses[mx.array(np.flatnonzero(tick.members))]
         tokens = c.batch_size * (self.data.tokens_per_example() or 1) * losses.size  # (or examples)
         job = self.pacing.member_count(tick.step)
+        self.tokens_here += tokens
+        trained = self.pacing.active(tick.step) or [True] * self.comm.n_local
         return {"step": tick.step, "steps": c.steps, "loss": float(losses.mean().item()),
+                "worker_losses": [loss if t else None for loss, t in zip(tick.losses.tolist(), trained)],
                 "tokens_per_s": tokens / tick.seconds, "job_tokens_per_s": tokens * job / losses.size / tick.seconds,
-                "sync_s": self.comm.wait_s, "bytes_sent": self.ledger.bytes_sent}
+                "sync_s": self.comm.wait_s, "bytes_sent": self.ledger.bytes_sent, **self.time_spent(),
+                "memory_bytes": mx.get_active_memory(), "memory_limit_bytes": int(c.memory_limit * 1e9) or None}
+
+    def time_spent(self) -> dict:
+        """Where this process's time went (seconds, over the job): computing its workers' inner steps,
+        waiting for the link, waiting for slower workers (comm.py measures both waits); and its model
+        FLOPs utilisation over its wall-clock time (utilisation.py)."""
+        wall = time.time() - self.wall_start
+        return {"compute_s": self.compute_s * self.comm.n_local,
+                "link_s": self.waited_s["link_s"] + self.comm.wait_s - self.comm.straggler_s,
+                "straggler_s": self.waited_s["straggler_s"] + self.comm.straggler_s,
+                "mfu": mfu(self.flops_per_token, self.tokens_here / wall, self.peak_gflops) if wall > 0 else None}
 
     # ------------------------------------------------------------ membership
     def _change_membership(self, step: int):
@@ -499,6 +533,7 @@ class Run:
         worker_losses = self.comm.gather_metric(worker_losses)
         train_losses = None if train_losses is None else self.comm.gather_metric(train_losses)
         self.peak_memory = self._peak_memory()
+        spent = self._job_time_spent()
         if not self.reporter:
             return
         global_loss = self.workers.eval_params(self.global_params(), self.eval_batches)
@@ -523,12 +558,23 @@ class Run:
             "utilisation": self.compute_s * (1 - idle) / modelled if modelled else 1.0,
             "idle_fraction": idle, "worker_speeds": self.pacing.worker_speeds(),
             # on a real cluster: compute against the time actually spent waiting for exchanges
-            "measured_utilisation": self.compute_s / (self.compute_s + self.comm.wait_s) if self.compute_s else 1.0,
-            "wall_s": time.time() - self.wall_start,
+            "measured_utilisation": spent["busy_s"] / (spent["busy_s"] + spent["link_s"] + spent["straggler_s"])
+            if spent["busy_s"] else 1.0, **spent, "flops_per_token": self.flops_per_token, "peak_gflops": self.peak_gflops,
+            "wall_s": time.time() - self.wall_start, "time": time.time(),
             "peak_memory_bytes": int(self.peak_memory * 1e6), "workers_per_process": self.comm.n_local,
             "strategy": c.strategy, "workers": c.workers, "sync_every": period, "link": ledger.link.name,
             "strategy_options": self.strategy.options(),
         })
+
+    def _job_time_spent(self) -> dict:
+        """Where the processes' time went (the mean over them: "busy_s" their compute) and the job's MFU
+        (the mean of theirs, each against its own peak: on a machine the processes share, the share
+        of the cores it may use)."""
+        spent = self.time_spent()
+        mine = [spent["compute_s"], spent["link_s"], spent["straggler_s"], math.nan if spent["mfu"] is None else spent["mfu"]]
+        every = np.array(self.comm.gather_metric(mx.array([mine] * self.comm.n_local)))
+        busy, link, straggler, mfus = every.mean(axis=0).tolist()
+        return {"busy_s": busy, "link_s": link, "straggler_s": straggler, "mfu": None if math.isnan(mfus) else mfus}
 
     def _last_evaluation(self) -> int:
         """The step of the evaluation before this step's."""
@@ -552,17 +598,20 @@ class Run:
                 "bytes_sent_per_worker": self.ledger.bytes_sent, "peak_exchange_bytes": self.ledger.peak_bytes,
                 "compute_s": self.compute_s, "modelled_comm_s": self.ledger.comm_s,
                 "utilisation": last.get("utilisation"), "link": self.ledger.link.describe(),
+                **{k: last.get(k) for k in ("measured_utilisation", "busy_s", "link_s", "straggler_s", "mfu", "flops_per_token",
+                                            "peak_gflops")},
                 "peak_memory_bytes": peak, "workers_per_process": self.comm.n_local}
 
     # ------------------------------------------------------------ checkpoints
     def state(self) -> tuple:
         """What a checkpoint keeps of the run, each part's state gathered here: (arrays, meta) in
         checkpoint.py's schema (run_folder.META)."""
+        spent = self.time_spent()
         arrays = {"workers": {"params": self.workers.params, "inner": self.workers.optimizer.state},
                   "strategy": self.strategy.state()}
         meta = {"config": self.config.to_dict(), "cursors": [s.state() for s in self.samplers],
                 "compute_s": self.compute_s, "worker_speeds": self.pacing.worker_speeds(),
-                "exchanges": self.ledger.state(),
+                "exchanges": self.ledger.state(), "waits_s": {k: spent[k] for k in self.waited_s},
                 "model_preset": self.spec.params if self.spec else None, "vocab_size": self.data.vocab_size}
         if self.place.ring_slots:
             meta["membership"] = {"ring_slots": self.place.ring_slots,
@@ -580,6 +629,7 @@ class Run:
             sampler.load_state(cursor)
         self.pacing.resume_with(meta["worker_speeds"])
         self.ledger.load_state(meta["exchanges"])
+        self.waited_s = meta.get("waits_s", self.waited_s)
 
     def save_checkpoint(self):
         # Weights not yet exchanged (other fragments', or with an exchange in flight) are checked here:

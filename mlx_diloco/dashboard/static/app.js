@@ -1,0 +1,242 @@
+// The dashboard's page: asks the server for the run (api/run) every second, until the run has its
+// summary, and draws it: the ring, the workers, loss against steps and against wall-clock time
+// (with the events as dashed lines), the exchanges and the events. Charts by uPlot (static/vendor).
+// What the page shows is also in data- attributes (counts, states), for tests and scripts.
+"use strict";
+
+const token = new URLSearchParams(location.search).get("token");
+const API = "api/run" + (token ? "?token=" + encodeURIComponent(token) : "");
+const COLORS = { eval: "#2563eb", train: "#f59e0b" };
+const LINKS = [[/thunderbolt/i, "#7c3aed"], [/ethernet|gbe|data center/i, "#2563eb"], [/wi-?fi/i, "#d97706"]];
+const STATE_COLORS = { training: "#16a34a", syncing: "#2563eb", waiting: "#d97706", starting: "#6b7280",
+  restarting: "#7c3aed", failed: "#dc2626", lost: "#991b1b", done: "#374151" };
+// Where a worker's time went (training/run.py's time_spent, the launcher's restarts), in this order.
+const TIME_PARTS = [["compute_s", "compute", "#16a34a"], ["link_s", "the link", "#2563eb"],
+  ["straggler_s", "slower workers", "#f59e0b"], ["restart_s", "restarts", "#7c3aed"]];
+const charts = {};
+let events = [];  // the run's events that the wall-clock chart marks (all but the shards shipped)
+
+// ------------------------------------------------------------ small helpers
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k.startsWith("data-")) node.setAttribute(k, v); else node[k] = v;
+  }
+  node.append(...children.filter(c => c !== null && c !== undefined));
+  return node;
+}
+function svg(tag, attrs, text) {
+  const node = document.createElementNS("http://www.w3.org/2000/svg", tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+const num = (x, digits = 3) => (x === null || x === undefined) ? "—" : Number(x).toPrecision(digits);
+const count = x => (x === null || x === undefined) ? "—" : Math.round(x).toLocaleString("en-US");
+function bytes(n) {
+  if (n === null || n === undefined) return "—";
+  const units = ["B", "KB", "MB", "GB", "TB"];
+  let i = 0;
+  while (n >= 1000 && i < units.length - 1) { n /= 1000; i++; }
+  return n.toFixed(n < 10 && i ? 1 : 0) + " " + units[i];
+}
+const seconds = s => (s === null || s === undefined) ? "—" : s < 1 ? (s * 1000).toFixed(0) + " ms" : s.toFixed(2) + " s";
+const clock = t => new Date(t * 1000).toLocaleTimeString("en-GB");
+const linkColor = kind => (LINKS.find(([re]) => re.test(kind || "")) || [null, "#6b7280"])[1];
+const stateBadge = state => el("span", { className: "state state-" + state, title: state }, state);
+
+// ------------------------------------------------------------ the parts of the page
+function renderHeader(run) {
+  const c = run.config || {}, s = run.status || {};
+  document.getElementById("run-name").textContent = run.run;
+  const step = s.step !== undefined ? `step ${s.step} of ${s.steps}` : "";
+  const where = s.source === "launch" ? "a cluster" : "simulated workers";
+  document.getElementById("run-about").textContent =
+    [c.strategy && `${c.strategy} × ${c.workers}`, c.model && `model ${c.model}`, step, s.source && `on ${where}`]
+      .filter(Boolean).join(" · ");
+}
+
+function renderRing(run) {
+  const hops = run.ring || [], box = document.getElementById("ring");
+  const states = Object.fromEntries(((run.status || {}).workers || []).map(w => [w.worker, w.state]));
+  box.replaceChildren();
+  box.dataset.hops = hops.length;
+  const n = hops.length, cx = 180, cy = 150, r = n > 1 ? 105 : 0;
+  const at = i => [cx + r * Math.sin(2 * Math.PI * i / n), cy - r * Math.cos(2 * Math.PI * i / n)];
+  hops.forEach((hop, i) => {  // the link from each rank to the next
+    if (n < 2) return;
+    const [x1, y1] = at(i), [x2, y2] = at((i + 1) % n), color = linkColor(hop.kind);
+    box.append(svg("line", { x1, y1, x2, y2, stroke: color, "stroke-width": 3,
+      "stroke-dasharray": hop.modelled ? "6 4" : "none" }));
+    if (hop.modelled || n > 8) return;  // one link for all (said below), or too many to label
+    const mx = (x1 + x2) / 2, my = (y1 + y2) / 2, out = Math.hypot(mx - cx, my - cy) || 1;
+    const x = mx + 34 * (mx - cx) / out, y = my + 22 * (my - cy) / out;
+    box.append(svg("text", { x, y, "text-anchor": "middle", style: `fill:${color}` }, hop.kind || "link ?"));
+    box.append(svg("text", { x, y: y + 13, "text-anchor": "middle" },
+      hop.gbps ? `${num(hop.gbps, 3)} Gbit/s` + (hop.latency_ms ? ` · ${num(hop.latency_ms, 2)} ms` : "") : "not measured"));
+  });
+  hops.forEach((hop, i) => {
+    const [x, y] = at(i), state = states[hop.worker];
+    box.append(svg("circle", { cx: x, cy: y, r: 17, fill: STATE_COLORS[state] || "#9ca3af", stroke: "#fff", "stroke-width": 2 }));
+    box.append(svg("text", { x, y: y + 4, "text-anchor": "middle", class: "node-label", fill: "#fff" }, `w${hop.worker}`));
+    if (hop.host && hop.host !== "sim") box.append(svg("text", { x, y: y + 31, "text-anchor": "middle" }, hop.host));
+  });
+  const modelled = hops.length && hops[0].modelled;
+  document.getElementById("ring-note").textContent = !hops.length ? "no ring yet" :
+    modelled ? `simulated: every link is a modelled ${hops[0].kind} (${num(hops[0].gbps, 3)} Gbit/s, ` +
+      `${num(hops[0].latency_ms, 2)} ms; --link) that times the exchanges` :
+    hops.some(h => h.gbps) ? "each link's kind and measured speed, from this ring's start" :
+    "the ring in rank order; its links not measured";
+}
+
+// A bar of the worker's time split as TIME_PARTS, its seconds in the tooltip.
+function timeBar(w) {
+  const total = TIME_PARTS.reduce((a, [key]) => a + (w[key] || 0), 0);
+  if (!total) return "—";
+  const title = TIME_PARTS.map(([key, name]) => `${name} ${seconds(w[key] || 0)}`).join(", ");
+  return el("span", { className: "time", title, "data-compute": (w.compute_s || 0) / total },
+    ...TIME_PARTS.map(([key, , color]) => el("i", { style: `width:${100 * (w[key] || 0) / total}%;background:${color}` })));
+}
+
+// The job's time: the workers' sums, as shares, and the job's MFU (their mean).
+function renderTimeNote(workers) {
+  const sums = TIME_PARTS.map(([key]) => workers.reduce((a, w) => a + (w[key] || 0), 0));
+  const total = sums.reduce((a, b) => a + b, 0), mfus = workers.filter(w => w.mfu).map(w => w.mfu);
+  const note = document.getElementById("time-note");
+  note.replaceChildren(...(!total ? ["where the time went: no step yet"] : ["all workers:",
+    ...TIME_PARTS.map(([, name, color], i) => el("span", {}, el("span", { className: "key", style: `background:${color}` }),
+      `${name} ${(100 * sums[i] / total).toFixed(1)}%`)),
+    mfus.length ? ` · MFU ${(100 * mfus.reduce((a, b) => a + b, 0) / mfus.length).toFixed(1)}%` : ""]));
+  note.dataset.compute = total ? sums[0] / total : "";
+}
+
+function renderWorkers(run) {
+  const workers = (run.status || {}).workers || [];
+  renderTimeNote(workers);
+  const rows = workers.map(w => {
+    const memory = w.memory_bytes ? el("span", {},
+      w.memory_limit_bytes ? el("span", { className: "memory", title: "memory against its limit" },
+        el("i", { style: `width:${Math.min(100, 100 * w.memory_bytes / w.memory_limit_bytes)}%` })) : null,
+      bytes(w.memory_bytes) + (w.memory_limit_bytes ? " / " + bytes(w.memory_limit_bytes) : "")) :
+      (w.memory_limit_bytes ? "limit " + bytes(w.memory_limit_bytes) : "—");
+    return el("tr", { "data-worker": w.worker ?? "", "data-state": w.state },
+      el("td", {}, w.worker ?? "—"), el("td", {}, w.host || "—"),
+      el("td", { title: (run.states || {})[w.state] || "" }, stateBadge(w.state)),
+      el("td", {}, w.step ?? "—"), el("td", {}, num(w.steps_per_s)), el("td", {}, count(w.tokens_per_s)),
+      el("td", {}, num(w.loss, 4)), el("td", {}, memory), el("td", {}, timeBar(w)),
+      el("td", {}, w.mfu ? (100 * w.mfu).toFixed(1) + "%" : "—"));
+  });
+  document.querySelector("#workers tbody").replaceChildren(...rows);
+}
+
+// Vertical dashed lines at the events' times, with their names.
+const eventMarkers = { hooks: { draw: [u => {
+  const ctx = u.ctx, top = u.bbox.top, height = u.bbox.height, ratio = devicePixelRatio || 1;
+  ctx.save();
+  ctx.setLineDash([5 * ratio, 4 * ratio]);
+  ctx.lineWidth = 1.5 * ratio;
+  ctx.font = `${11 * ratio}px sans-serif`;
+  ctx.textAlign = "left";  // uPlot leaves its axes' alignment set
+  ctx.textBaseline = "alphabetic";
+  const free = [-Infinity, -Infinity, -Infinity];  // where each of three label rows is free from
+  events.forEach(e => {
+    const x = u.valToPos(e.time, "x", true);
+    if (x < u.bbox.left || x > u.bbox.left + u.bbox.width) return;
+    const color = /failure|left|refused/.test(e.event) ? "#dc2626" : /waiting|joining/.test(e.event) ? "#d97706" : "#16a34a";
+    ctx.strokeStyle = ctx.fillStyle = color;
+    ctx.beginPath(); ctx.moveTo(x, top); ctx.lineTo(x, top + height); ctx.stroke();
+    const row = free.findIndex(f => f <= x);  // a label that fits nowhere is left out (the list has it)
+    if (row < 0) return;
+    ctx.fillText(e.event, x + 3 * ratio, top + 12 * (row + 1) * ratio);
+    free[row] = x + ctx.measureText(e.event).width + 8 * ratio;
+  });
+  ctx.restore();
+}] } };
+
+function lossChart(id, xLabel, time) {
+  const box = document.getElementById(id);
+  const series = [{ label: xLabel, value: time ? (u, v) => v === null ? "—" : clock(v) : undefined },
+    { label: "eval loss", stroke: COLORS.eval, width: 2, spanGaps: true, points: { show: true, size: 6 } },
+    { label: "train loss", stroke: COLORS.train, width: 1.5, spanGaps: true, points: { show: true, size: 4 } }];
+  const range = (u, min, max) => {  // the events too, on the wall-clock chart
+    const times = time ? events.map(e => e.time) : [];
+    const lo = Math.min(min ?? Infinity, ...times), hi = Math.max(max ?? -Infinity, ...times);
+    const pad = time ? Math.max(1, (hi - lo) * 0.03) : lo === hi ? 1 : 0;  // room for the edge markers' labels
+    return [lo - pad, hi + pad];
+  };
+  return new uPlot({ width: box.clientWidth || 500, height: 260, series, plugins: time ? [eventMarkers] : [],
+    scales: { x: { time, range } }, axes: [{ label: xLabel }, { label: "loss" }], legend: { live: true } },
+  [[], [], []], box);
+}
+
+function renderLoss(run) {
+  events = (run.events || []).filter(e => e.event !== "shipped");
+  charts.steps = charts.steps || lossChart("loss-steps", "step", false);
+  charts.time = charts.time || lossChart("loss-time", "wall-clock", true);
+  const rows = (run.metrics || []).filter(r => r.eval_loss !== null || r.train_loss !== null);
+  const timed = rows.filter(r => typeof r.time === "number");
+  const columns = (list, x) => [list.map(x), list.map(r => r.eval_loss), list.map(r => r.train_loss)];
+  charts.steps.setData(columns(rows, r => r.step));
+  charts.time.setData(columns(timed, r => r.time));
+  document.getElementById("loss-steps").dataset.points = rows.filter(r => r.eval_loss !== null).length;
+  document.getElementById("loss-time").dataset.points = timed.filter(r => r.eval_loss !== null).length;
+  document.getElementById("loss-time").dataset.markers = events.length;
+}
+
+function renderExchanges(run) {
+  const rows = run.exchanges || [];
+  const sent = rows.reduce((a, r) => a + (r.sent_bytes || 0), 0), blocked = rows.reduce((a, r) => a + (r.blocked_s || 0), 0);
+  document.getElementById("exchange-totals").textContent = rows.length ?
+    `${rows.length} exchanges: ${bytes(sent)} sent by each worker, ${seconds(blocked)} blocked in all (newest first)` :
+    "no exchange yet" + (run.status && run.status.source === "launch" ? " (rank 0's, mirrored as they finish)" : "");
+  document.querySelector("#exchanges tbody").replaceChildren(...rows.slice(-12).reverse().map(r =>
+    el("tr", {}, el("td", {}, r.step), el("td", {}, r.what || "—"), el("td", {}, r.codec || "—"),
+      el("td", {}, bytes(r.sent_bytes)), el("td", {}, seconds(r.blocked_s)), el("td", {}, seconds(r.modelled_s)))));
+  document.getElementById("exchanges").dataset.rows = rows.length;
+}
+
+function renderEvents(run) {
+  const list = document.getElementById("events");
+  const items = (run.events || []).slice().reverse().map(e => {
+    const detail = Object.entries(e).filter(([k]) => k !== "time" && k !== "event")
+      .map(([k, v]) => `${k}=${typeof v === "object" ? JSON.stringify(v) : v}`).join("  ");
+    return el("li", { "data-event": e.event, className: "event-" + e.event },
+      el("time", {}, clock(e.time)), el("b", {}, e.event), detail);
+  });
+  if (!items.length) items.push(el("li", { className: "note" },
+    run.status && run.status.source === "sim" ? "none: a simulated run has no failures, restarts or joins" : "none yet"));
+  list.replaceChildren(...items);
+}
+
+function setConnection(text, kind) {
+  const p = document.getElementById("connection");
+  p.textContent = text;
+  p.className = "connection " + (kind || "");
+}
+
+// ------------------------------------------------------------ the loop
+async function poll() {
+  let finished = false;
+  try {
+    const answer = await fetch(API, { cache: "no-store" });
+    if (!answer.ok) throw new Error(answer.status === 403 ? "forbidden: open the URL with its ?token=" : "HTTP " + answer.status);
+    const run = await answer.json();
+    for (const part of [renderHeader, renderRing, renderWorkers, renderLoss, renderExchanges, renderEvents]) part(run);
+    finished = Boolean(run.summary);
+    const age = run.status ? run.time - run.status.time : null;
+    setConnection(finished ? "finished" : age !== null && age > 30 ? `no news for ${Math.round(age)} s: stopped?` :
+      "live", finished ? "" : "live");
+    document.body.dataset.finished = finished;
+    document.body.dataset.updates = Number(document.body.dataset.updates) + 1;
+  } catch (e) {
+    setConnection("no answer from the dashboard: " + e.message, "error");
+  }
+  if (!finished) setTimeout(poll, 1000);  // a finished run's page stays as it is
+}
+
+window.addEventListener("resize", () => {
+  for (const [id, chart] of [["loss-steps", charts.steps], ["loss-time", charts.time]]) {
+    if (chart) chart.setSize({ width: document.getElementById(id).clientWidth, height: 260 });
+  }
+});
+poll();

@@ -1,0 +1,83 @@
+"""How much of a device's peak a run uses: model FLOPs utilisation (MFU), and the device's peak.
+
+    MFU = FLOPs per token x tokens per second / the device's peak FLOP/s
+
+FLOPs per token from the model's shape, as PaLM (appendix B) counts a training step: 6 per weight
+of a matrix multiply (2 forward, 2 for the input's gradient, 2 for the weight's) and 12 L d T for
+attention over T positions; a frozen weight (fine-tuning with adapters) costs 4, having no gradient
+of its own. The embedding is a lookup, not a multiply; a head tied to it is counted once, as a
+multiply. The peak is what `doctor` measures (matmul GFLOP/s in float32), kept per machine
+in a small cache so runs do not measure it while they train.
+
+MLX-free at import (MLX imported on call): `plan` and the launcher use the formulas.
+"""
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+from .atomic import atomic_write_text
+
+
+def flops_per_token(shape, seq_len: int, tied_head: bool = True):
+    """Training FLOPs per token of a transformer of memory.Shape `shape` (None for a model that is
+    not one: an image model's convolutions depend on its image size, not its weights)."""
+    if not shape.blocks or not shape.hidden or not shape.vocab:
+        return None
+    multiplied = shape.parameters - (0 if tied_head else shape.vocab * shape.hidden)  # the lookup is free
+    trainable = multiplied if shape.trainable is None else shape.trainable
+    frozen = multiplied if shape.trainable is not None else 0
+    return 6 * trainable + 4 * frozen + 12 * shape.blocks * shape.hidden * seq_len
+
+
+def mfu(flops_per_token, tokens_per_s: float, peak_gflops: float):
+    """The share of the device's peak a throughput uses (None when either is unknown)."""
+    if not flops_per_token or not peak_gflops:
+        return None
+    return flops_per_token * tokens_per_s / (peak_gflops * 1e9)
+
+
+def matmul_gflops(n: int = 1024, repeats: int = 3) -> float:
+    """The best of `repeats` float32 n x n matrix multiplies, in GFLOP/s."""
+    import mlx.core as mx
+    a = mx.random.normal((n, n))
+    mx.eval(a @ a)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        mx.eval(a @ a)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best / 1e9
+
+
+def _cache_path() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "mlx-diloco" / "peak-gflops.json"
+
+
+def _machine_key() -> str:
+    """What decides the peak: the machine, MLX's device and version, and the BLAS threads allowed
+    (sim's processes and the emulated cluster's hosts each get a share of the cores: their peak)."""
+    import mlx.core as mx
+    return (f"{platform.node()} {platform.machine()} mlx {mx.__version__} {mx.default_device()} "
+            f"threads {os.environ.get('OPENBLAS_NUM_THREADS', 'all')}")
+
+
+def peak_gflops(measure: bool = False) -> float:
+    """This machine's matmul GFLOP/s (doctor's measurement): from the cache, measured (and kept)
+    when it holds none or when `measure`. Processes that start together measure one at a time."""
+    import fcntl
+    path, key = _cache_path(), _machine_key()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            known = json.loads(path.read_text())
+        except (OSError, ValueError):
+            known = {}
+        if measure or key not in known:
+            known[key] = matmul_gflops()
+            atomic_write_text(path, json.dumps(known, indent=1))
+        return known[key]

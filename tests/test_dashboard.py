@@ -1,0 +1,272 @@
+"""The dashboard (mlx_diloco/dashboard/): its server (tokens, the run folder as one JSON answer), and
+its page in a real browser, Debian's headless Chromium driven by Selenium through the chromedriver
+apt installs (nothing downloaded), watching a live `sim` and an emulated cluster's `launch` that
+loses a worker. MLX_DILOCO_SCREENSHOTS=DIR keeps the page's screenshots there (bench/results)."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from mlx_diloco.cluster.emulated import SECRET, EmulatedCluster, can_build
+from mlx_diloco.config import ConfigError
+from mlx_diloco.dashboard.server import DEFAULT_PORT, Dashboard, parse_where, snapshot, token_for
+
+CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+no_browser = "" if CHROMIUM.exists() and CHROMEDRIVER.exists() else \
+    "needs Debian's chromium and chromium-driver (scripts/setup installs them: apt-get install chromium chromium-driver)"
+
+
+def get(url: str, host: str = None):
+    """(status, body) of a GET, with another Host header if given."""
+    request = urllib.request.Request(url, headers={"Host": host} if host else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.status, answer.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+# ------------------------------------------------------------ the server
+def test_bound_beyond_the_loopback_every_request_needs_the_token_derived_from_the_secret(tmp_path):
+    board = Dashboard(tmp_path, "0.0.0.0", 0, secret=SECRET.encode())
+    try:
+        assert board.token == token_for(SECRET.encode()) != token_for(b"another-cluster-secret")
+        assert board.url.endswith(f":{board.port}/?token={board.token}")
+        base = f"http://127.0.0.1:{board.port}"
+        for path in ("/", "/api/run"):
+            assert get(base + path)[0] == 403
+            assert get(base + path + "?token=" + token_for(b"another-cluster-secret"))[0] == 403
+            assert get(base + path + "?token=" + board.token)[0] == 200
+        assert get(base + "/static/app.js")[0] == 200  # the page's code holds no run data
+        assert get(base + "/static/../server.py?token=" + board.token)[0] == 404
+    finally:
+        board.close()
+    other = Dashboard(tmp_path, "0.0.0.0", 0)  # no secret (sim): a random token
+    assert len(other.token) == 32 and other.token != board.token
+    other.close()
+
+
+def test_on_the_loopback_no_token_but_a_loopback_host(tmp_path):
+    board = Dashboard(tmp_path, "127.0.0.1", 0)
+    try:
+        assert board.token is None and board.url == f"http://127.0.0.1:{board.port}/"
+        assert get(board.url + "api/run")[0] == 200
+        assert get(board.url + "api/run", host=f"localhost:{board.port}")[0] == 200
+        assert get(board.url + "api/run", host=f"rebound.example:{board.port}")[0] == 403  # DNS rebinding
+    finally:
+        board.close()
+
+
+def test_a_taken_port_falls_back_only_from_the_default(tmp_path):
+    taken = socket.socket()
+    try:
+        taken.bind(("127.0.0.1", DEFAULT_PORT))
+        taken.listen()
+    except OSError:
+        pass  # taken already
+    board = Dashboard(tmp_path, "127.0.0.1", DEFAULT_PORT)
+    try:
+        assert board.port != DEFAULT_PORT
+        with pytest.raises(ConfigError, match="another --dashboard HOST:PORT"):
+            Dashboard(tmp_path, "127.0.0.1", board.port)
+    finally:
+        board.close()
+        taken.close()
+
+
+@pytest.mark.parametrize("text, where", [("", ("127.0.0.1", DEFAULT_PORT)), ("9000", ("127.0.0.1", 9000)),
+                                         ("0.0.0.0", ("0.0.0.0", DEFAULT_PORT)), ("mac.local:0", ("mac.local", 0)),
+                                         ("[::]:9000", ("::", 9000)), ("::1", ("::1", DEFAULT_PORT))])
+def test_dashboard_flag_values(text, where):
+    assert parse_where(text) == where
+
+
+def test_the_answer_joins_the_run_folder_and_passes_over_what_it_cannot_read(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"strategy": "diloco", "workers": 4, "link": "wifi"}))
+    rows = [{"step": 0, "eval_loss": 6.0, "train_loss": None}, {"step": 10, "eval_loss": 5.0, "train_loss": 5.2}]
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\nnot json\n[1, 2]\n" + json.dumps(rows[1])
+                                            + '\n{"step": 20, "eval_lo')  # the last line is being written
+    (tmp_path / "exchanges.jsonl").write_text(json.dumps({"step": 10, "what": "fragment 0", "blocked_s": float("nan")})
+                                              + "\n")
+    status = {"time": 1.0, "source": "sim", "step": 10, "steps": 20,
+              "workers": [{"worker": 0, "state": "training"}, {"worker": 1, "state": "waiting"}]}
+    (tmp_path / "status.json").write_text(json.dumps(status))
+    (tmp_path / "worker-2").mkdir()  # the other process of sim --processes 2
+    (tmp_path / "worker-2" / "status.json").write_text(json.dumps(
+        {**status, "workers": [{"worker": 3, "state": "training"}, {"worker": 2, "state": "training"}]}))
+    (tmp_path / "summary.json").write_text("{torn")
+    got = snapshot(tmp_path)
+    assert got["metrics"] == rows and got["events"] == [] and got["summary"] is None
+    assert [w["worker"] for w in got["status"]["workers"]] == [0, 1, 2, 3]
+    assert [(h["worker"], h["kind"], h["gbps"]) for h in got["ring"]] == [(w, "Wi-Fi", 0.4) for w in range(4)]
+    board = Dashboard(tmp_path, "127.0.0.1", 0)
+    try:  # over HTTP, NaN (which JSON lacks) is null
+        status, body = get(board.url + "api/run")
+        assert status == 200 and json.loads(body)["exchanges"][0]["blocked_s"] is None
+    finally:
+        board.close()
+    (tmp_path / "ring.json").write_text(json.dumps([{"rank": 0, "worker": 1, "host": "mini1", "kind": "thunderbolt",
+                                                     "gbps": 31.5, "latency_ms": 0.1}]))
+    assert snapshot(tmp_path)["ring"][0]["host"] == "mini1"  # a cluster's ring, as the launcher measured it
+
+
+# ------------------------------------------------------------ the page in Chromium
+@pytest.fixture
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    # This machine's network is closed: no background connections, no component updates.
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--no-first-run", "--window-size=1400,1400", f"--user-data-dir={tempfile.mkdtemp()}"):
+        options.add_argument(flag)
+    # Without scripts/test's LD_PRELOAD of OpenBLAS (MLX's), which crashes Chromium's renderer.
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER), env=env), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+# What the page shows, from its DOM, and from the chart's own data and pixels: the eval loss curve's
+# points in uPlot and the canvas pixels in its colour (#2563eb).
+PAGE = """
+const drawn = (u) => { const d = u.ctx.getImageData(0, 0, u.ctx.canvas.width, u.ctx.canvas.height).data; let n = 0;
+  for (let i = 0; i < d.length; i += 4) if (Math.abs(d[i] - 37) + Math.abs(d[i + 1] - 99) + Math.abs(d[i + 2] - 235) < 40) n++;
+  return n; };
+return {updates: +document.body.dataset.updates, finished: document.body.dataset.finished === "true",
+  workers: [...document.querySelectorAll("#workers tbody tr")].map(r => [r.dataset.worker, r.dataset.state]),
+  events: [...document.querySelectorAll("#events li[data-event]")].map(li => [li.dataset.event, li.textContent]),
+  points: +document.getElementById("loss-steps").dataset.points,
+  plotted: charts.steps ? charts.steps.data[1].filter(v => v !== null).length : 0,
+  blue_pixels: charts.steps ? drawn(charts.steps) : 0,
+  markers: +document.getElementById("loss-time").dataset.markers, hops: +document.getElementById("ring").dataset.hops,
+  ring: document.getElementById("ring").textContent,
+  exchanges: +document.getElementById("exchanges").dataset.rows,
+  time_bars: document.querySelectorAll("#workers tbody .time").length,
+  compute_share: document.getElementById("time-note").dataset.compute, note: document.getElementById("time-note").textContent};
+"""
+
+
+def watch(driver, until, timeout: float, seen: list = None) -> dict:
+    """The page's state once `until(state)` holds (every state read is added to `seen`)."""
+    deadline = time.time() + timeout
+    while True:
+        state = {**driver.execute_script(PAGE), "at": time.time()}
+        if seen is not None:
+            seen.append(state)
+        if until(state):
+            return state
+        assert time.time() < deadline, state
+        time.sleep(0.2)
+
+
+def screenshot(driver, name: str, tmp_path):
+    """The page as a PNG: in tmp_path, and in $MLX_DILOCO_SCREENSHOTS when set."""
+    for folder in filter(None, (tmp_path, os.environ.get("MLX_DILOCO_SCREENSHOTS"))):
+        driver.save_screenshot(str(Path(folder) / name))
+    assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def printed_url(log: Path, proc, timeout: float = 120) -> str:
+    """The URL a command printed on stderr (to `log`) as 'dashboard...: URL'."""
+    deadline = time.time() + timeout
+    while True:
+        for line in log.read_text().splitlines():
+            if line.startswith("dashboard") and "http://" in line:
+                return line[line.index("http://"):].split()[0]
+        assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.1)
+
+
+def command(log: Path, *args, env=None):
+    return subprocess.Popen([sys.executable, "-m", "mlx_diloco", *map(str, args)], stdout=subprocess.DEVNULL,
+                            stderr=open(log, "w"), env={**os.environ, **(env or {})})
+
+
+@pytest.mark.skipif(bool(no_browser), reason=no_browser)
+def test_the_page_follows_a_live_sim_and_shows_it_afterwards(browser, tmp_path):
+    run_dir, steps, every = tmp_path / "run", 600, 20
+    sim = command(tmp_path / "sim.log", "sim", "--model", "tiny", "--seq-len", 16, "--batch-size", 4, "--workers", 4,
+                  "--steps", steps, "--sync-every", every, "--warmup", 2, "--eval-batches", 2, "--sample-tokens", 0,
+                  "--processes", 2, "--run-dir", run_dir, "--dashboard", "127.0.0.1:0")
+    try:
+        browser.get(printed_url(tmp_path / "sim.log", sim))
+        # Live: every worker (two per process) training, and the loss curve growing while sim runs.
+        live = watch(browser, lambda s: len(s["workers"]) == 4 and s["points"] >= 3, timeout=120)
+        assert sim.poll() is None and not live["finished"], "the run ended before the page saw it live"
+        assert [w for w, _ in live["workers"]] == ["0", "1", "2", "3"]
+        assert {state for _, state in live["workers"]} <= {"training", "waiting"}, live
+        assert live["hops"] == 4 and live["plotted"] == live["points"] and live["blue_pixels"] > 100
+        assert sim.wait(timeout=300) == 0, (tmp_path / "sim.log").read_text()[-3000:]
+    finally:
+        sim.kill()
+    # Afterwards: `mlx-diloco dashboard RUN` shows the saved run, finished.
+    served = command(tmp_path / "dashboard.log", "dashboard", run_dir, "--port", 0)
+    try:
+        browser.get(printed_url(tmp_path / "dashboard.log", served))
+        done = watch(browser, lambda s: s["finished"], timeout=30)
+        assert done["workers"] == [[str(w), "done"] for w in range(4)]
+        assert done["points"] == done["plotted"] == steps // every + 1 and done["exchanges"] == steps // every
+        assert browser.find_element("css selector", "#workers tbody tr td:nth-child(7)").text != "—"  # a loss
+        # Where the time went: a bar per worker, and the job's shares (one process: no peer to wait for,
+        # apart from the other process of this sim) and MFU.
+        assert done["time_bars"] == 4 and 0.5 < float(done["compute_share"]) <= 1, done
+        assert "compute" in done["note"] and "MFU" in done["note"], done["note"]
+        screenshot(browser, "dashboard-sim.png", tmp_path)
+    finally:
+        served.send_signal(signal.SIGINT)
+        assert served.wait(timeout=10) == 130
+
+
+@pytest.mark.skipif(bool(no_browser or can_build()), reason=no_browser or can_build())
+def test_the_page_shows_a_cluster_losing_a_worker(browser, tmp_path):
+    from conftest import tiny_config
+    from test_cluster import config_flags, wait_for_step
+    cluster, launch = EmulatedCluster(3, tmp_path / "cluster"), None
+    try:
+        config = tiny_config(workers=3, steps=240, sync_every=15, seq_len=32, batch_size=8, compress="fp32")
+        launch = command(tmp_path / "launch.log", "launch", *config_flags(config), "--run-dir", tmp_path / "run",
+                         f"--hosts={cluster.hosts_flag}", "--measure-links", "--dashboard", "127.0.0.1:0",
+                         env={"MLX_DILOCO_SECRET": SECRET})
+        browser.get(printed_url(tmp_path / "launch.log", launch))
+        watch(browser, lambda s: [st for _, st in s["workers"]] == ["training"] * 3, timeout=300)
+        wait_for_step(cluster, 2, 37)
+        os.kill(cluster.worker_pid(2), signal.SIGKILL)
+        killed_at, seen = time.time(), []
+        # The kill as an event; the ring restarted (a second "started"), every worker training again.
+        after = watch(browser, lambda s: any(e == "failure" for e, _ in s["events"])
+                      and [e for e, _ in s["events"]].count("started") >= 2
+                      and [st for _, st in s["workers"]] == ["training"] * 3, timeout=120, seen=seen)
+        (failure,) = [text for e, text in after["events"] if e == "failure"]
+        assert "worker 1 (host2) failed: it was killed by signal 9" in failure
+        states = [state for s in seen for w, state in s["workers"] if w == "1"]
+        shown = next(s["at"] for s in seen if any(e == "failure" for e, _ in s["events"]))
+        print(f"\nthe page showed the kill {shown - killed_at:.1f} s after it; worker 1 went "
+              + " -> ".join(state for i, state in enumerate(states) if not i or state != states[i - 1]))
+        # Between (about 3 s: the failure found, the ring restarted, its first step), as the page polls each second.
+        assert set(states) & {"failed", "restarting", "starting"}, states
+        assert after["hops"] == 3 and after["markers"] >= 3 and after["points"] >= 3 and after["blue_pixels"] > 100
+        assert after["ring"].count("Gbit/s") == 3, after["ring"]  # each link's speed as --measure-links measured it
+        later = watch(browser, lambda s: s["points"] >= 9, timeout=300)  # half the run: a longer curve to look at
+        assert later["time_bars"] == 3 and float(later["compute_share"]) < 1 and "restarts" in later["note"], later
+        screenshot(browser, "dashboard-launch.png", tmp_path)
+        out = launch.wait(timeout=400)
+        assert out == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    finally:
+        if launch:
+            launch.kill()
+        cluster.close()
