@@ -53,8 +53,8 @@ def matmul_gflops(n: int = 1024, repeats: int = 3) -> float:
 
 
 def _cache_path() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "mlx-diloco" / "peak-gflops.json"
+    from .data.datasets import cache_root  # ~/.cache/mlx-diloco, or $MLX_DILOCO_CACHE
+    return cache_root() / "peak-gflops.json"
 
 
 def _machine_key() -> str:

@@ -189,3 +189,26 @@ def test_mdns_gives_an_agent_s_lan_address_before_its_cables():
     txt = "bridge0=thunderbolt/10.0.12.1,en0=ethernet/192.168.1.5,en1=wifi/192.168.1.6"
     assert lan_first(["10.0.12.1", "192.168.1.5", "192.168.1.6"], txt) == ["192.168.1.5", "192.168.1.6", "10.0.12.1"]
     assert lan_first(["10.0.12.1"], "bridge0=thunderbolt/10.0") == ["10.0.12.1"]  # a record cut at 255 bytes
+
+
+def test_a_link_is_of_one_kind_seen_from_either_end():
+    """A Mac with Ethernet and Wi-Fi on one LAN: the link to it is Ethernet both ways, so the record
+    one direction keeps is found from the other (ring_hops looks at both)."""
+    from mlx_diloco.cluster.ringplan import link_kind
+    both = {"interfaces": [{"kind": "ethernet", "address": "192.168.1.5", "prefix": 24},
+                           {"kind": "wifi", "address": "192.168.1.6", "prefix": 24}]}
+    wired = {"interfaces": [{"kind": "ethernet", "address": "192.168.1.7", "prefix": 24}]}
+    wireless = {"interfaces": [{"kind": "wifi", "address": "192.168.1.8", "prefix": 24}]}
+    assert link_kind(both, wired, "192.168.1.7") == link_kind(wired, both, "192.168.1.6") == "ethernet"
+    assert link_kind(both, wireless, "192.168.1.8") == link_kind(wireless, both, "192.168.1.5") == "wifi"
+    assert link_kind(both, wired, "10.0.0.1") == "other"  # an address the receiver does not have
+
+
+def test_the_launcher_knows_the_strategy_s_default_sync_period():
+    """A worker long in a step is "syncing" at a sync point: H comes from the strategy's default
+    when the job did not set it (the config holds only what was given)."""
+    from mlx_diloco.cluster.launcher import sync_every
+    from mlx_diloco.config import TrainConfig
+    assert sync_every(TrainConfig(strategy="diloco").to_dict()) == 50
+    assert sync_every(tiny_config(strategy="diloco").to_dict()) == 4
+    assert sync_every(tiny_config(strategy="ddp").to_dict()) == 0

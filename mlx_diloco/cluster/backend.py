@@ -194,8 +194,8 @@ def plan(requested: str, agents: list, lan_addresses: list, ring: tuple, mlx_fil
             addresses.append([tb or lan[-1]])
     links = ["thunderbolt" if set(a) & _thunderbolt_addresses(agent) else "lan" for a, agent in zip(addresses, ordered)]
     if any(h.rdma for h in mlx_file.hosts):
-        devices = [[mlx_file.hosts[f].rdma[g] if f is not None and g is not None and f != g else None for g in files]
-                   for f in files]
+        devices = [[mlx_file.hosts[f].rdma[g] if f is not None and g is not None and f != g
+                    and len(mlx_file.hosts[f].rdma) == len(mlx_file.hosts) else None for g in files] for f in files]
     else:
         devices = device_matrix(ordered)
     backend, reason = choose_backend(requested, ordered, devices)

@@ -92,6 +92,25 @@ def watch(on_found, every_s: float = 1.0):
         time.sleep(every_s)
 
 
+def reach(found: list, secret: bytes, wanted: int = None, timeout_s: float = 10.0, log=print) -> tuple:
+    """The first `wanted` (default: all) agents of `found` that answer: (their Found, hellos, clients).
+    mDNS keeps records of dead agents for minutes, and a listed machine may be off, or another
+    cluster's (another secret or version): who does not answer is skipped, in a log line."""
+    reachable, agents, clients = [], [], []
+    for f in found:
+        if wanted is not None and len(reachable) == wanted:
+            break
+        try:
+            client = AgentClient(f, secret, timeout_s=timeout_s)
+            agents.append(client.hello())
+        except (AgentError, ConfigError) as e:
+            log(f"skipping {f.endpoint}: {e}")
+            continue
+        reachable.append(f)
+        clients.append(client)
+    return reachable, agents, clients
+
+
 def parse_hosts(text: str, default_port: int) -> list:
     """'a,b:5000' (or one per line, from a file) -> [Found]."""
     out = []

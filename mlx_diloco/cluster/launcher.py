@@ -38,6 +38,7 @@ from ..training.metrics import MetricsLog, human_bytes
 from ..worker_job import STOPPED_FOR_CHANGE
 from . import protocol
 from .backend import Plan, machine_problem, plan, start_fields
+from . import discovery
 from .discovery import AgentClient, AgentError, Found, parse_hosts, watch
 from .hostfile import MlxHostfile
 from .linktests import measure_all, pair_summaries
@@ -51,6 +52,7 @@ class Member:
     port: int
     worker_id: int
     host: str = ""
+    lost: bool = False  # out of the ring since its machine stopped answering (not yet back)
 
     @property
     def found(self) -> Found:
@@ -107,6 +109,13 @@ class JobState:
 
 
 RESTARTS = ("membership_change", "restarted")  # events whose total_s is time the job did not train
+
+
+def sync_every(config: dict) -> int:
+    """The job's H (0: its strategy syncs every step), with the strategy's default when not given."""
+    from ..strategies import make_strategy  # (MLX, on call: the launcher's planning imports without it)
+    c = TrainConfig.from_dict(config)
+    return make_strategy(c.strategy, c.strategy_options).sync_every
 
 
 class JobFailed(Exception):
@@ -209,19 +218,8 @@ def check_model(model: str, agents: list, clients: list):
 
 
 def reach(found: list, secret: bytes, wanted: int, log=print) -> tuple:
-    """The first `wanted` agents of `found` that answer: (their Found, hellos, clients). mDNS keeps
-    records of dead agents for minutes, and a listed machine may be off: skip who does not answer."""
-    reachable, agents, clients = [], [], []
-    for f in found:
-        if len(reachable) == wanted:
-            break
-        try:
-            client = AgentClient(f, secret)
-            agents.append(client.hello())
-            reachable.append(f)
-            clients.append(client)
-        except (AgentError, ConfigError) as e:  # dead, or another cluster's agent (other secret)
-            log(f"[launch] skipping {f.endpoint}: {e}")
+    """The first `wanted` agents of `found` that answer (discovery.reach), or one line saying so."""
+    reachable, agents, clients = discovery.reach(found, secret, wanted, log=lambda m: log(f"[launch] {m}"))
     if len(reachable) < wanted:
         raise ConfigError(f"{wanted} workers wanted but {len(reachable)} agents answered; start more "
                           "agents (mlx-diloco agent), pass --hosts, or lower --workers")
@@ -259,7 +257,7 @@ class Launcher:
         self.restart_s = sum(e["total_s"] for e in self._events() if e["event"] in RESTARTS)
         self.status = run_status.StatusWriter(self.run_dir, "launch")  # what the dashboard shows of each worker
         self.step_rate, self.shown, self.offered = run_status.StepRate(), {}, {}
-        self.lost_machines = set()  # (address, port) of the spares whose slot left when they were lost
+        self.sync_every = sync_every(self.state.config)
         self.last_steps = {}      # each worker's last reported step: where a lost one left
         self.pending_join = None  # a machine admitted at the next sync point
         self.discovered = queue.SimpleQueue()  # agents that appeared on mDNS (discovery.watch's thread)
@@ -370,6 +368,8 @@ class Launcher:
                 resume_step=resume[m.worker_id], collective_timeout=float(self.options.collective_timeout),
                 data={"files": files, "num_shards": self.state.num_shards} if files else {}, elastic=elastic,
                 **start_fields(ring, ports[0]))
+        if self.state.change:  # a restart or membership change: started now (launch.json keeps it for --resume)
+            self.state.change["started_at"] = time.time()
         self.state.save(self.run_dir)
         # The ring in MLX's format: `mlx.launch --hostfile RUN/hostfile.json` runs on the same machines.
         ring.mlx_hostfile(self.state.mlx_hostfile.get("envs", [])).write(self.run_dir / "hostfile.json")
@@ -440,6 +440,7 @@ class Launcher:
             states = [self.client(m).request("status", job=self.state.job, metrics_from=0,
                                              exchanges_from=protocol.NO_LOG, log_from=protocol.NO_LOG)
                       for m in self.state.members]
+            self.offered = {m.worker_id: offered_memory(self.client(m).hello()) for m in self.state.members}
         except AgentError as e:
             return self.recover(f"agent unreachable on re-attach ({e})")
         if all(s["state"] == "running" for s in states) or all(s.get("returncode") == 0 for s in states):
@@ -551,6 +552,8 @@ class Launcher:
         later steps than its last, and of that step those not in it (one step's exchanges may come in
         two polls). After a restart the lines come again from the start of rank 0's file."""
         log = log or self.metrics
+        if not lines:
+            return
         have = [line for line in log.path.read_text().splitlines() if line.strip()] if log.path.exists() else []
         last = json.loads(have[-1])["step"] if have else None
         at_last = {line for line in have if json.loads(line)["step"] == last}
@@ -580,7 +583,7 @@ class Launcher:
         or waiting to join."""
         rows = [{**row, "rank": rank} for rank, row in enumerate(rows)]
         spares = [{"worker": m.worker_id if m.worker_id >= 0 else None, "host": m.host or m.address,
-                   "state": "lost" if (m.address, m.port) in self.lost_machines else "waiting"}
+                   "state": "lost" if m.lost else "waiting"}
                   for m in self.state.spares]
         step = min((r["step"] for r in rows if r.get("step") is not None), default=0)
         self.status.write(step, self.state.config["steps"], rows + spares, force=force)
@@ -610,7 +613,7 @@ class Launcher:
         if progress.get("stopped"):
             return "restarting"
         if progress["age_s"] > max(2.0, 3 / (steps_per_s or 1)):
-            period = self.state.config.get("strategy_options", {}).get("sync_every")
+            period = self.sync_every
             return "syncing" if not period or (progress["step"] + 1) % period == 0 else "waiting"
         return "training"
 
@@ -653,9 +656,7 @@ class Launcher:
             return True
         self._truncate_mirrors(step if step is not None else -1)
         self.state.change["stopped_at"] = time.time()
-        done = self.start(resume_step=step)
-        self.state.change["started_at"] = time.time()
-        return done
+        return self.start(resume_step=step)
 
     # ------------------------------------------------------------ membership changes (elastic jobs)
     def _held(self) -> set:
@@ -731,7 +732,7 @@ class Launcher:
             self._record(step, f"-{m.worker_id}")
             self.state.members.remove(m)
             self.state.spares.append(m)
-            self.lost_machines.add((m.address, m.port))
+            m.lost = True
             self.event("left", worker=m.worker_id, host=m.host, step=step, workers=len(self.state.members))
 
     def _record(self, step: int, what: str):
@@ -821,7 +822,7 @@ class Launcher:
         return self._restart_from_own_states()
 
     def _join(self, m: Member):
-        self.lost_machines.discard((m.address, m.port))
+        m.lost = False
         self.state.spares.remove(m)
         self.state.members.append(m)
         self.state.joining.append(m.worker_id)
@@ -841,9 +842,7 @@ class Launcher:
         self.state.change["redone_steps"] = {str(w): self.last_steps.get(w, 0) - s for w, s in steps.items()
                                              if s is not None and w in self.last_steps}
         self._truncate_mirrors(min([s for s in steps.values() if s is not None], default=-1))
-        self.start(resume_step=None)
-        self.state.change["started_at"] = time.time()
-        return False
+        return self.start(resume_step=None)
 
     def _note_first_steps(self, progress: list):
         """Once every worker of a new ring has taken a step: the change (or the restart) is over; report

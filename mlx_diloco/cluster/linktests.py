@@ -11,7 +11,7 @@ import time
 from ..exchange.network import Link
 from ..options import ConfigError
 from . import protocol
-from .discovery import AgentClient, AgentError
+from .discovery import AgentError, reach
 from .links import MAX_SIZE, sizes, summarize
 from .ringplan import link_kind, listen_address, measured_pairs, plan_ring, ring_hops
 
@@ -29,10 +29,6 @@ def measure_pair(clients: list, agents: list, lan_addresses: list, message_sizes
     kind = link_kind(agents[0], agents[1], addresses[1])
     ports = [c.request("prepare", job=job)["port"] for c in clients]
     hostfile = [[f"{a}:{p}"] for a, p in zip(addresses, ports)]
-    for rank, client in enumerate(clients):
-        other = agents[1 - rank]
-        client.request("measure_link", job=job, rank=rank, hostfile=hostfile, sizes=message_sizes, link_kind=kind,
-                       peer={"id": other["id"], "host": other["host"]}, collective_timeout=float(timeout_s))
 
     def stop():
         for c in clients:
@@ -40,15 +36,28 @@ def measure_pair(clients: list, agents: list, lan_addresses: list, message_sizes
                 c.request("stop", job=job)
             except AgentError:
                 pass
+    # Each side gives up past its watchdog; this waits a little longer than both, then stops them.
+    allowed = max(30.0, timeout_s) * (len(message_sizes) + 2)
+    deadline = time.time() + allowed
     try:
+        for rank, client in enumerate(clients):  # a side that refuses must not leave the other running
+            other = agents[1 - rank]
+            client.request("measure_link", job=job, rank=rank, hostfile=hostfile, sizes=message_sizes, link_kind=kind,
+                           peer={"id": other["id"], "host": other["host"]}, collective_timeout=float(timeout_s))
         while True:
             states = [c.request("status", job=job, metrics_from=0, exchanges_from=protocol.NO_LOG,
                                 log_from=protocol.NO_LOG) for c in clients]
+            if any(s["state"] == "unknown" for s in states):
+                raise LinkTestFailed(f"an agent of {agents[0]['host']} - {agents[1]['host']} lost the link test "
+                                     "(it restarted?); run mlx-diloco links again")
             if any(s["state"] == "exited" and s["returncode"] != 0 for s in states) or \
                     all(s["state"] == "exited" for s in states):
                 break
+            if time.time() > deadline:
+                raise LinkTestFailed(f"the link test {agents[0]['host']} - {agents[1]['host']} did not end in "
+                                     f"{allowed:.0f} s")
             time.sleep(0.2)
-    except AgentError:
+    except (AgentError, LinkTestFailed):
         stop()
         raise
     hosts = [a["host"] for a in agents]
@@ -63,16 +72,8 @@ def measure_pair(clients: list, agents: list, lan_addresses: list, message_sizes
 
 def _reach(found: list, secret: bytes, timeout_s: float, log) -> tuple:
     """(clients, hellos, addresses) of the agents in `found` that answer (at least two)."""
-    clients, agents, lan = [], [], []
-    for f in found:
-        client = AgentClient(f, secret, timeout_s=timeout_s)
-        try:
-            agents.append(client.hello())
-        except (AgentError, ConfigError) as e:  # dead, or another cluster's agent (other secret or version)
-            log(f"[links] skipping {f.endpoint}: {e}")
-            continue
-        clients.append(client)
-        lan.append(f.address)
+    reachable, agents, clients = reach(found, secret, timeout_s=timeout_s, log=lambda m: log(f"[links] {m}"))
+    lan = [f.address for f in reachable]
     if len(agents) < 2:
         raise ConfigError(f"{len(agents)} agent(s) answered: a link needs two; start more agents or pass --hosts")
     return clients, agents, lan
@@ -150,5 +151,5 @@ def ring_line(agents: list, order: list, hops: list, by_measurements: bool) -> s
     ring = " -> ".join(names + names[:1])
     if not by_measurements:
         return f"ring: {ring} (ordered by Thunderbolt cables: not every pair has a measurement)"
-    gbps, a, b = min((h["gbps"], names[r - 1], names[r]) for r, h in enumerate(hops))
+    gbps, a, b = min((h["gbps"], names[r - 1], names[r]) for r, h in enumerate(hops) if h["gbps"] is not None)
     return f"ring: {ring}, slowest hop {gbps:.3g} Gbit/s ({a} -> {b})"

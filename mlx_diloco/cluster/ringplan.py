@@ -36,15 +36,18 @@ SLOWEST_FIRST = ("wifi", "other", "ethernet", "thunderbolt-bridge", "thunderbolt
 
 
 def link_kind(sender: dict, receiver: dict, address: str) -> str:
-    """The kind of the hop from `sender` to `receiver`, who listens at `address`: the slower of the
-    receiver's interface there and the sender's on the same network ("other" when not found)."""
+    """The kind of the link between `sender` and `receiver`, who listens at `address`: on that
+    address's network, the slower of the two machines' fastest interfaces there ("other" when not
+    found). The same both ways: a Mac with Ethernet and Wi-Fi on one LAN counts as on Ethernet."""
     ends = [i for i in receiver.get("interfaces", []) if i["address"] == address]
     if not ends:
         return "other"
     net = ipaddress.ip_interface(f"{address}/{ends[0]['prefix']}").network
-    kinds = [ends[0]["kind"]] + [i["kind"] for i in sender.get("interfaces", [])
-                                 if ipaddress.ip_address(i["address"]) in net]
-    return min(kinds, key=lambda k: SLOWEST_FIRST.index(k) if k in SLOWEST_FIRST else 1)
+    speed = lambda kind: SLOWEST_FIRST.index(kind) if kind in SLOWEST_FIRST else 1  # noqa: E731
+    fastest = [max(kinds, key=speed) for kinds in
+               ([i["kind"] for i in agent.get("interfaces", []) if ipaddress.ip_address(i["address"]) in net]
+                for agent in (sender, receiver)) if kinds]
+    return min(fastest, key=speed)
 
 
 def measured(a: dict, b: dict, kind: str):

@@ -120,7 +120,8 @@ def snapshot(run_dir: Path) -> dict:
     status = run_status.read(run_dir)
     ring = read_json(run_dir / "ring.json")
     if not isinstance(ring, list):  # a sim run's modelled ring, or a cluster's before the launcher's ring.json
-        ring = modelled_ring(config) if not status or status.get("source") == "sim" else ranks(status)
+        cluster = (run_dir / "launch.json").exists() or (status or {}).get("source") == "launch"
+        ring = ranks(status or {}) if cluster else modelled_ring(config)
     return {"run": run_dir.resolve().name, "folder": str(run_dir), "time": time.time(), "config": config,
             "summary": read_json(run_dir / "summary.json"), "status": status, "ring": ring, "states": run_status.STATES,
             **{name: read_rows(run_dir / f"{name}.jsonl") for name in LOGS}}
@@ -167,7 +168,10 @@ class Dashboard:
         """A request with the token, or (bound to the loopback) one that names a loopback host."""
         if self.token:
             return hmac.compare_digest(token.encode(), self.token.encode())
-        name = urlsplit(f"//{host_header or ''}").hostname or ""
+        try:
+            name = urlsplit(f"//{host_header or ''}").hostname or ""
+        except ValueError:  # a malformed Host header (e.g. "[::1"): refused, not a traceback
+            return False
         return is_loopback(name)
 
     def close(self):
