@@ -152,14 +152,13 @@ def main():
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "elastic.txt"))
     args = p.parse_args()
     ensure_fast_blas([__file__, *sys.argv[1:]])
-    from cluster_links import save_table
+    from cluster_links import doctor_gflops, save_table
     from mlx_diloco.cluster.emulated import can_build
     if why := can_build():
         raise SystemExit(f"cannot build the emulated cluster: {why}")
     flags = [f"--model={args.preset}", "--workers=4", "--strategy=diloco", f"--sync-every={args.sync_every}",
              f"--steps={args.steps}", f"--seq-len={args.seq_len}", "--batch-size=4", "--eval-batches=4", "--warmup=20"]
-    doctor = subprocess.run([str(ROOT / ".venv" / "bin" / "mlx-diloco"), "doctor"], capture_output=True, text=True)
-    gflops = next((line.strip() for line in doctor.stdout.splitlines() if "GFLOP" in line), "(no GFLOP/s line)")
+    gflops = doctor_gflops()
     lines = [f"command: sudo .venv/bin/python bench/{Path(__file__).name} {' '.join(sys.argv[1:])}".rstrip(),
              f"doctor: {gflops}"]
     print(lines[0], flush=True)

@@ -69,12 +69,11 @@ def main():
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "links.txt"))
     args = p.parse_args()
     ensure_fast_blas([__file__, *sys.argv[1:]])
-    from cluster_links import save_table
+    from cluster_links import doctor_gflops, save_table
     from mlx_diloco.cluster.emulated import EmulatedCluster, can_build
     if why := can_build():
         raise SystemExit(f"cannot build the emulated cluster: {why}")
-    doctor = subprocess.run([str(ROOT / ".venv" / "bin" / "mlx-diloco"), "doctor"], capture_output=True, text=True)
-    gflops = next((line.strip() for line in doctor.stdout.splitlines() if "GFLOP" in line), "(no GFLOP/s line)")
+    gflops = doctor_gflops()
     lines = [f"command: sudo .venv/bin/python bench/{Path(__file__).name} {' '.join(sys.argv[1:])}".rstrip(),
              f"doctor: {gflops}", f"load average before: {os.getloadavg()[0]:.2f}"]
     print(lines[0], flush=True)

@@ -156,7 +156,7 @@ def main():
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "membership_change.txt"))
     args = p.parse_args()
     ensure_fast_blas([__file__, *sys.argv[1:]])
-    from cluster_links import save_table
+    from cluster_links import doctor_gflops, save_table
     from mlx_diloco.cluster.emulated import can_build
     if why := can_build():
         raise SystemExit(f"cannot build the emulated cluster: {why}")
@@ -165,8 +165,7 @@ def main():
     steps, kill_step = 3 * H, H + H // 2  # killed mid-round 2: the newest checkpoint is at step H
     flags = ["--workers=3", "--strategy=diloco", f"--sync-every={H}", f"--steps={steps}", "--seq-len=64",
              "--batch-size=4", "--eval-batches=1", f"--eval-every={steps}", "--warmup=5", "--compress=fp16"]
-    doctor = subprocess.run([str(ROOT / ".venv" / "bin" / "mlx-diloco"), "doctor"], capture_output=True, text=True)
-    gflops = next((l.strip() for l in doctor.stdout.splitlines() if "GFLOP" in l), "(doctor printed no GFLOP/s line)")
+    gflops = doctor_gflops()
     lines = [f"command: sudo .venv/bin/python bench/{Path(__file__).name} {' '.join(sys.argv[1:])}".rstrip(),
              f"doctor: {gflops}",
              f"{HOSTS} hosts, DiLoCo H={H}, {steps} steps, 4x64 tokens a step, fp16 exchange; host{LOST}'s machine "

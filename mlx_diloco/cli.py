@@ -210,8 +210,8 @@ def found_agents(args):
 def cmd_discover(args):
     from .cluster.discovery import AgentClient, AgentError
     from .cluster.links import describe as describe_link
-    from .cluster.protocol import load_secret
-    secret = load_secret(secret_file=args.secret_file) if (args.secret_file or os.environ.get("MLX_DILOCO_SECRET")) else None
+    from .cluster.protocol import given_secret
+    secret = given_secret(args.secret_file)
     if args.hosts and secret is None:
         raise ConfigError("listed hosts can only be asked with the cluster secret: set MLX_DILOCO_SECRET or "
                           "pass --secret-file (without --hosts, discover lists what mDNS advertises)")
@@ -296,10 +296,10 @@ def add_dashboard_flag(parser):
 
 def cmd_dashboard(args):
     from .dashboard.server import Dashboard
-    from .cluster.protocol import load_secret
+    from .cluster.protocol import given_secret
     if not Path(args.run).is_dir():
         raise ConfigError(f"no run folder {args.run}; pass the --run-dir of a sim, gym or launch run")
-    secret = load_secret(args.secret_file) if args.secret_file or os.environ.get("MLX_DILOCO_SECRET") else None
+    secret = given_secret(args.secret_file)
     board = Dashboard(args.run, args.host, args.port, secret)
     print(f"dashboard of {args.run}: {board.url} (Ctrl-C to stop)", file=sys.stderr, flush=True)
     threading.Event().wait()  # until Ctrl-C

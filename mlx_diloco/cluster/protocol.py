@@ -73,6 +73,11 @@ SCHEMAS = {
 }
 
 
+def given_secret(secret_file: str = None):
+    """The cluster secret if one is given (load_secret), else None: for what works without one."""
+    return load_secret(secret_file) if secret_file or os.environ.get("MLX_DILOCO_SECRET") else None
+
+
 def load_secret(secret_file: str = None) -> bytes:
     """The cluster secret from --secret-file, else $MLX_DILOCO_SECRET; a clear error if neither."""
     from ..config import ConfigError
