@@ -1,12 +1,14 @@
-"""Scorecards of the zoo's strategies on gym problems, side by side.
+"""Scorecards of every strategy of the zoo on gym problems, side by side, each at its published
+defaults.
 
-    python bench/gym_scorecards.py [--problems shakespeare-home fashion-thunderbolt] [--out runs/gym-cards]
+    python bench/gym_scorecards.py [--problems shakespeare-home gpt-wifi-8 mixed-home] [--out runs/gym-cards]
 
-For each problem: DDP, DiLoCo, Streaming DiLoCo (4-bit exchange, fragments where the model has
-blocks, one step of overlap), SPARTA, DeMo and MuLoCo (DiLoCo with Muon inner steps), each with
-its default options; one `gym run` each (finished runs are kept when run again). Prints one
-Markdown table per problem and writes PROBLEM.png (the curves) into --out. The CPU variants take
-about 5 minutes per run of shakespeare-home and 1 of fashion-thunderbolt on a 2-core CPU.
+For each problem: every strategy of STRATEGIES (DDP, DiLoCo, FedAvg, Streaming DiLoCo with a 4-bit
+exchange, SPARTA, DeMo, MuLoCo, SPARTA-DiLoCo, SparseLoCo, DES-LOC, Local Adam, quorum rounds,
+NoLoCo); on a problem whose workers differ in speed, DiLoCo also time-paced and quorum rounds
+time-paced (workers step at their own speed). One `gym run` each (finished runs are kept when run
+again). Prints one Markdown table per problem and writes PROBLEM.png (the curves) into --out. The
+CPU variants take 1 to 5 minutes per run on a 2-core CPU.
 """
 
 import argparse
@@ -20,48 +22,70 @@ from mlx_diloco.blas import ensure_fast_blas  # noqa: E402
 if __name__ == "__main__":
     ensure_fast_blas(sys.argv)
 
+from cluster_links import doctor_gflops  # noqa: E402
+
+# The new strategies and their baselines first, so that a run cut short still compares them.
 STRATEGIES = {
     "ddp": dict(strategy="ddp"),
     "diloco": dict(strategy="diloco"),
+    "sparseloco": dict(strategy="sparseloco"),
+    "desloc": dict(strategy="desloc"),
+    "local-adam": dict(strategy="desloc", first_moment_sync_every=50, second_moment_sync_every=50),
+    "noloco": dict(strategy="noloco"),
+    "fedavg": dict(strategy="fedavg"),
     "streaming-int4": dict(strategy="diloco", fragments=5, overlap_steps=1, compress="int4"),
     "sparta": dict(strategy="sparta"),
     "demo": dict(strategy="demo"),
     "muloco": dict(strategy="muloco"),
+    "sparta-diloco": dict(strategy="sparta-diloco"),
+}
+# Quorum rounds differ from DiLoCo only when workers step at their own pace (with equal speeds, or
+# the fixed policy, every worker reports at once and it is DiLoCo: tests/test_quorum.py): on a
+# problem whose workers differ in speed, DiLoCo and quorum rounds time-paced.
+PACED = {
+    "diloco-time": dict(strategy="diloco", speed_policy="time"),
+    "quorum-time": dict(strategy="quorum", speed_policy="time"),
 }
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--problems", nargs="+", default=["shakespeare-home", "fashion-thunderbolt"])
-    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
+    p.add_argument("--problems", nargs="+", default=["shakespeare-home", "gpt-wifi-8", "mixed-home"])
+    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES) + list(PACED),
+                   choices=list(STRATEGIES) + list(PACED))
     p.add_argument("--out", default="runs/gym-cards", help="folder for the runs and plots")
     args = p.parse_args()
+    print(f"# python bench/gym_scorecards.py --problems {' '.join(args.problems)}   (doctor: {doctor_gflops()})", flush=True)
 
     from mlx_diloco.config import TrainConfig
     from mlx_diloco.gym import scorecard
     from mlx_diloco.gym.problems import get_problem
     from mlx_diloco.models.zoo import load_spec
+    from mlx_diloco.run_folder import latest_step
     from mlx_diloco.training.processes import simulate
 
-    for name in args.problems:
-        problem = get_problem(name)
-        settings = problem.settings()
-        blocks = load_spec(settings["model"]).num_blocks
-        cards = []
-        for label in args.strategies:
-            options = dict(STRATEGIES[label])
+    problems = {name: get_problem(name) for name in args.problems}
+    cards = {name: [] for name in problems}
+    for label in args.strategies:  # each strategy on every problem, then the next
+        for name, problem in problems.items():
+            settings = problem.settings()
+            if label in PACED and not settings.get("worker_speeds"):
+                continue
+            options = dict({**STRATEGIES, **PACED}[label])
             if "fragments" in options:
-                options["fragments"] = min(options["fragments"], max(blocks, 1))
+                options["fragments"] = min(options["fragments"], max(load_spec(settings["model"]).num_blocks, 1))
             run_dir = Path(args.out) / name / label
             if not (run_dir / "summary.json").exists():
-                simulate(TrainConfig.from_dict({**settings, **options}), run_dir, log=lambda m: None)
+                simulate(TrainConfig.from_dict({**settings, **options}), run_dir, log=lambda m: None,
+                         resume=latest_step(run_dir) is not None)
             card = scorecard.scorecard(run_dir, problem)
             card["label"] = label
             scorecard.save(card, run_dir)
-            cards.append(card)
+            cards[name].append(card)
             print(f"{name} {label}: eval loss {card['final_eval_loss']:.4f}, {card['wall_s']:.0f} s", flush=True)
-        print(f"\n{name}: {problem.about}; target eval loss {problem.target_loss}\n{scorecard.table(cards)}\n")
-        scorecard.plot(cards, Path(args.out) / f"{name}.png", title=f"{name}: {problem.about}")
+    for name, problem in problems.items():
+        print(f"\n{name}: {problem.about}; target eval loss {problem.target_loss}\n{scorecard.table(cards[name])}\n")
+        scorecard.plot(cards[name], Path(args.out) / f"{name}.png", title=f"{name}: {problem.about}")
 
 
 if __name__ == "__main__":

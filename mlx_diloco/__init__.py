@@ -3,11 +3,13 @@
 The Python API (imported on first use, so that the command line starts without MLX):
 
     from mlx_diloco import Trainer, DiLoCo, DDP, FedAvg, SPARTA, DeMo, MuLoCo, SPARTADiLoCo
+    from mlx_diloco import SparseLoCo, DESLOC, Quorum, NoLoCo
 """
 
 __version__ = "0.1.0"
 
-_STRATEGIES = ("Strategy", "DDP", "FedAvg", "DiLoCo", "SPARTA", "DeMo", "MuLoCo", "SPARTADiLoCo")
+_STRATEGIES = ("Strategy", "DDP", "FedAvg", "DiLoCo", "SPARTA", "DeMo", "MuLoCo", "SPARTADiLoCo",
+               "SparseLoCo", "DESLOC", "Quorum", "NoLoCo")
 
 
 def __getattr__(name):

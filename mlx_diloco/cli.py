@@ -22,14 +22,25 @@ def add_config_flags(parser):
     for f in fields(TrainConfig):
         listed = f": {', '.join(STRATEGIES)}" if f.name == "strategy" else ""  # the registered strategies
         names += add_flag(parser, f, f.metadata["help"] + listed)
-    owners = {}  # option name -> (its field, the strategies that have it)
+    owners = {}  # option name -> {(its help, its default): the strategies that have it so}
     for name, cls in STRATEGIES.items():
         for f in fields(cls):
-            owners.setdefault(f.name, (f, []))[1].append(name)
-    for f, strategies in owners.values():
-        if f.name not in names:
-            names += add_flag(parser, f, f"{f.metadata['help']} ({', '.join(strategies)})")
+            owners.setdefault(f.name, {}).setdefault((f.metadata["help"], f.default), []).append(name)
+    for option, kinds in owners.items():
+        if option not in names:
+            f = next(f for f in fields(STRATEGIES[next(iter(kinds.values()))[0]]) if f.name == option)
+            names += add_flag(parser, f, shared_help(kinds))
     parser.set_defaults(config_keys=sorted(names))
+
+
+def shared_help(kinds: dict) -> str:
+    """The help of an option that several strategies have: each help once, with the strategies
+    that give it and, where they differ, each one's default."""
+    helps = {}
+    for (text, default), strategies in kinds.items():
+        helps.setdefault(text, []).append(f"{', '.join(strategies)}" + (f": default {default}" if len(kinds) > 1 else ""))
+    return "; ".join(f"{text} ({'; '.join(who)})" for text, who in helps.items()) + \
+        ("" if len(kinds) == 1 else " (default: the strategy's)")
 
 
 def add_plan_flags(parser):

@@ -165,12 +165,9 @@ def check_strategy(strategy):
     if not strategy.steps_can_differ:
         raise ConfigError(f"membership needs a strategy that exchanges only at its syncs (diloco, fedavg, muloco; "
                           f"no ddp-warmup-steps), not {strategy.name}; drop --membership")
-    if getattr(strategy, "overlap_steps", 0):
-        raise ConfigError("membership with overlap-steps is not simulated (a worker could leave with an exchange "
-                          "in flight); drop --overlap-steps or --membership")
-    if getattr(strategy, "error_feedback", False):
-        raise ConfigError("membership with error-feedback is not simulated (a leaver would still send what "
-                          "compression lost before it left); drop --error-feedback or --membership")
+    if strategy.own_state:
+        raise ConfigError(f"membership is not simulated with {strategy.own_state} kept by each worker (a leaver "
+                          f"would take it away, a joiner has none); drop --membership, or the option that keeps it")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,25 @@ def tiny_config(**overrides):
     return TrainConfig.from_dict(params)
 
 
+def resumed_run(config, folder, stop_after: int):
+    """`config` trained in `folder` until cut off after `stop_after` steps (as a killed process
+    would be), then a new Run resumed from its last checkpoint, not yet trained on."""
+    from mlx_diloco.exchange.comm import SimCommunicator
+    from mlx_diloco.training.run import Run
+    Run(config, folder, SimCommunicator(config.workers), log=lambda m: None).train(stop_after=stop_after)
+    return Run(config, folder, SimCommunicator(config.workers), resume=True, log=lambda m: None)
+
+
+def assert_same_arrays(a, b):
+    """Two trees of arrays hold the same keys and bit-identical values."""
+    import numpy as np
+    from mlx.utils import tree_flatten
+    a, b = dict(tree_flatten(a)), dict(tree_flatten(b))
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(np.array(a[k]), np.array(b[k]), err_msg=k)
+
+
 def run_cli(*args, timeout=300, cwd=None, env=None):
     """Run the real `mlx-diloco` command line in a fresh process."""
     import subprocess

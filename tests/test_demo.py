@@ -11,7 +11,7 @@ import pytest
 from mlx.utils import tree_flatten
 from scipy.fft import dct, idct
 
-from conftest import tiny_config
+from conftest import assert_same_arrays, resumed_run, tiny_config
 from mlx_diloco.exchange.comm import SimCommunicator
 from mlx_diloco.exchange.worker_axis import stack_copies
 from mlx_diloco.strategies import DeMo
@@ -170,12 +170,9 @@ def test_a_run_sends_the_reference_bytes_and_resumes_exactly(tmp_path):
     shapes = [v.shape[1:] for _, v in tree_flatten(straight.workers.params)]
     assert straight.ledger.bytes_sent == 12 * (3 - 1) * (sum(reference_bytes(s) for s in shapes) + CHECK_BYTES)
 
-    first = Run(config, tmp_path / "split", SimCommunicator(3), log=lambda m: None)
-    first.train(stop_after=6)
-    resumed = Run(config, tmp_path / "split", SimCommunicator(3), resume=True, log=lambda m: None)
+    resumed = resumed_run(config, tmp_path / "split", stop_after=6)
     assert resumed.steps_done == 4
     resumed.train()
-    for (k, a), (_, b) in zip(tree_flatten(straight.workers.params), tree_flatten(resumed.workers.params)):
-        np.testing.assert_array_equal(np.array(a), np.array(b), err_msg=k)
+    assert_same_arrays(straight.workers.params, resumed.workers.params)
     rows = [json.loads(l) for l in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["eval_loss"] < rows[0]["eval_loss"] - 0.05

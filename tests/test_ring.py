@@ -67,10 +67,75 @@ def test_quantized_exchange_over_sockets_equals_the_simulator(tmp_path, M):
     assert [a for a, _ in records] == ["all_reduce", "all_reduce"] + ["quantized_ring" if M > 2 else "all_gather"] * 4
 
 
+# Each process takes its workers' rows of the same random buffer and pair-averages them for every
+# pairing given; then once with NaN in worker 1's values, and once with a pair that is no neighbours.
+PAIRS = """
+import json, sys
+import mlx.core as mx, numpy as np
+from mlx_diloco.exchange.comm import NonFiniteValues
+from mlx_diloco.exchange.ring import init_ring
+comm = init_ring(60, workers_per_process=int(sys.argv[2]))
+mine = mx.array(comm.local_workers)
+x = (mx.random.normal((comm.num_workers, 20000), key=mx.random.key(7)) * 0.01)[mine]
+pairings, out, seen = json.loads(sys.argv[3]), {}, []
+for i, partner in enumerate(pairings):
+    for c in ("fp32", "bf16", "int4"):
+        out[f"{i}-{c}"] = np.array(comm.start_pair_mean(x, partner, c).result())
+try:
+    comm.start_pair_mean(mx.where(mine[:, None] == 1, float("nan"), x), pairings[0]).result()
+except NonFiniteValues as e:
+    seen.append(e.workers)
+try:
+    if comm.num_workers == 4:
+        comm.start_pair_mean(x, [2, 3, 0, 1]).result()
+except ValueError as e:
+    seen.append(str(e))
+np.savez(sys.argv[1] + f"-{comm.group.rank()}.npz", **out)
+print(json.dumps({"records": [[r.algorithm, r.sent_bytes, r.hops] for r in comm.drain_records()], "seen": seen}))
+"""
+
+
+@pytest.mark.parametrize("processes, per_process, pairings", [
+    (2, 1, [[1, 0], [0, 1]]),
+    (4, 1, [[1, 0, 3, 2], [3, 2, 1, 0], [0, 2, 1, 3]]),  # [2, 3, 0, 1] (processes 0 and 2) is refused
+    # 3 processes of 2 workers: each process pairs with both neighbours, then within itself
+    (3, 2, [[5, 2, 1, 4, 3, 0], [1, 0, 3, 2, 5, 4], [0, 2, 1, 3, 5, 4]])], ids=lambda v: str(v))
+def test_pair_mean_over_sockets_equals_the_simulator(tmp_path, processes, per_process, pairings):
+    """NoLoCo's pair mean over MLX's neighbour send/recv gives what the simulator computes, sends the
+    bytes it counts, stops every process on a worker's NaN, and refuses pairs of processes that are
+    no ring neighbours (4 processes: 0 and 2) on every process."""
+    outs = run_ranks(tmp_path, processes, ["-c", PAIRS, tmp_path / "out", per_process, json.dumps(pairings)])
+    M = processes * per_process
+    sim = SimCommunicator(M)
+    x = mx.random.normal((M, 20000), key=mx.random.key(7)) * 0.01
+    want = {f"{i}-{c}": np.array(sim.start_pair_mean(x, p, c).result())
+            for i, p in enumerate(pairings) for c in ("fp32", "bf16", "int4")}
+    records = [[r.algorithm, r.sent_bytes, r.hops] for r in sim.drain_records()]
+    for rank in range(processes):
+        got = np.load(tmp_path / f"out-{rank}.npz")
+        rows = slice(rank * per_process, (rank + 1) * per_process)
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k][rows], err_msg=f"{k} rank {rank}")
+        report = json.loads(outs[rank][0])
+        assert report["records"][:len(records)] == records
+        assert report["seen"][0] == [1]
+        if processes == 4:
+            assert "processes (0 and 2) are no ring neighbours" in report["seen"][1]
+
+
 # DeMo steps by sign(Q): a float-level difference (vmapped sim vs one process) can flip a sign where Q
 # is near 0, so for it the test asks 99% of the parameters to agree.
 @pytest.mark.parametrize("strategy, options", [("diloco", dict(compress="fp16")), ("sparta", dict(fraction=0.1)),
-                                               ("muloco", {}), ("demo", dict(topk=8))], ids=lambda v: str(v))
+                                               ("muloco", {}), ("demo", dict(topk=8)), ("sparseloco", {}),
+                                               ("desloc", dict(sync_every=2, first_moment_sync_every=4,
+                                                               second_moment_sync_every=6)),
+                                               ("quorum", dict(quorum=1, grace_steps=1)),
+                                               # a slow worker's process skips ticks: its schedule still follows them
+                                               ("diloco", dict(worker_speeds="1,0.5", speed_policy="time")),
+                                               ("quorum", dict(quorum=1, grace_steps=1, worker_speeds="1,0.5",
+                                                               speed_policy="time")),
+                                               ("noloco", {})],
+                         ids=lambda v: str(v))
 def test_ring_run_matches_sim(tmp_path, strategy, options):
     config = tiny_config(workers=2, steps=8, strategy=strategy, **options)
     job = tmp_path / "job.json"

@@ -45,6 +45,8 @@ def expected_bytes(name, run) -> int:
         return steps * ring(M, n * 2)
     if name in ("diloco", "fedavg", "muloco"):
         return math.ceil(steps / s.sync_every) * ring(M, n * 2)
+    if name == "quorum":  # equal speeds: every worker reports at once, DiLoCo's outer steps (test_quorum.py)
+        return math.ceil(steps / s.sync_every) * ring(M, n * 2)
     if name == "sparta":
         return sum(ring(M, len(s.indices(n, t)) * 4) for t in range(1, steps + 1))
     if name == "sparta-diloco":
@@ -54,6 +56,15 @@ def expected_bytes(name, run) -> int:
         from test_demo import reference_bytes
         return steps * ((M - 1) * sum(reference_bytes(p.shape[1:]) for _, p in tree_flatten(run.workers.params))
                         + check(M))
+    if name == "desloc":  # fp32 averages: parameters every Kx steps and at the end, moments every Ku, Kv
+        Ku, Kv = s.period("m"), s.period("v")
+        return (math.ceil(steps / s.sync_every) + steps // Ku + steps // Kv) * ring(M, n * 4)
+    if name == "sparseloco":  # an all-gather of each tensor's top-k per chunk, 2-bit values (test_sparseloco.py)
+        from test_sparseloco import reference_bytes
+        payload = sum(reference_bytes(p.shape[1:], s.topk, s.chunk) for _, p in tree_flatten(run.workers.params))
+        return math.ceil(steps / s.sync_every) * ((M - 1) * payload + check(M))
+    if name == "noloco":  # every H steps each paired worker sends its fp32 weights to its partner, once
+        return steps // s.sync_every * (n * 4 + check(M))
     raise AssertionError(name)
 
 

@@ -5,9 +5,10 @@ process hosts: all N of them in the simulator, one on a real cluster. With that 
 all-reduce is "sum over the worker axis of every worker in the job", whichever transport runs
 underneath.
 
-A transport implements three primitives: `_sum_workers` (the ring's all-reduce),
-`_gather_workers` (all-gather) and `_shift` (every worker receives its ring predecessor's array,
-over MLX's neighbour send/recv). This base class builds the exchange on them, once for every
+A transport implements four primitives: `_sum_workers` (the ring's all-reduce),
+`_gather_workers` (all-gather), `_shift` (every worker receives its ring predecessor's array,
+over MLX's neighbour send/recv) and `_swap` (every worker of a pairing receives its partner's,
+the same way). This base class builds the exchange on them, once for every
 transport: one flat buffer per exchange (a bucket, not one collective per parameter), encoded by
 a codec (codecs.py), and reduced by the cheapest algorithm that codec allows:
 
@@ -16,6 +17,9 @@ a codec (codecs.py), and reduced by the cheapest algorithm that codec allows:
     quantized codec, M > 2              quantized ring: reduce-scatter then all-gather, each hop
                                         decoding, adding in fp32 and re-encoding its chunk
                                         (as PCCL does): sends 2(M-1)/M payloads
+
+A pair mean (`start_pair_mean`, NoLoCo's gossip) is no mean over the job: each worker of a pair
+sends its encoded values to the other (1 payload), and both average the same decoded values.
 
 Before every exchange the workers all-gather three float32 numbers each (CHECK_BYTES, counted in
 the bytes sent): their largest magnitude, from which the summed codecs take the unit every
@@ -86,7 +90,7 @@ def unpack(packed: mx.array, like: dict) -> dict:
 
 @dataclass
 class CollectiveRecord:
-    algorithm: str        # "all_reduce", "quantized_ring" or "all_gather"
+    algorithm: str        # "all_reduce", "quantized_ring", "all_gather" or "pair_mean"
     codec: str
     payload_bytes: int    # one worker's contribution, on the wire
     sent_bytes: int       # what one worker sends
@@ -144,6 +148,11 @@ class Communicator:
 
     def _shift(self, x: mx.array) -> mx.array:
         """(n_local, ...) -> (n_local, ...): each worker's row replaced by its ring predecessor's."""
+        raise NotImplementedError
+
+    def _swap(self, x: mx.array, partner: list) -> mx.array:
+        """(n_local, ...) -> (n_local, ...): each worker w's row replaced by that of worker
+        partner[w] (job-wide indices; partner[w] == w: its own)."""
         raise NotImplementedError
 
     @contextmanager
@@ -212,6 +221,31 @@ class Communicator:
         self.records.append(record)
         return Pending(self, out, record, finish=lambda out: out[:L] if shapes is None else unflatten(out[:L], shapes),
                        check=check, lost=lost)
+
+    def start_pair_mean(self, buffer: mx.array, partner: list, codec="fp32", tag: str = "") -> Pending:
+        """Start a gossip round: each worker w's mean of its (n_local, L) float32 values and those
+        of worker partner[w] (job-wide indices, each the other's partner; partner[w] == w: w sits
+        out and keeps its values). The result is (n_local, L). Each paired worker sends its values
+        once, encoded with its own unit; both ends average the same decoded values (a + b is b + a),
+        so a pair holds one mean. The check comes first, as for every exchange: a NaN or an inf
+        stops every worker of the job, not only its partner."""
+        M, L = self.num_workers, buffer.shape[1]
+        if sorted(partner) != list(range(M)) or any(partner[p] != w for w, p in enumerate(partner)):
+            raise ValueError(f"a pairing gives each of the {M} workers a partner whose partner it is (got {partner})")
+        codec = get_codec(codec) if isinstance(codec, str) else codec
+        mx.eval(buffer)
+        paired = mx.array([partner[w] != w for w in self.local_workers])[:, None]
+        with mx.stream(self.stream):
+            check = self._check([buffer])
+            wire = codec.encode(mx.depends(buffer, check), salt=mx.array(self.local_workers))
+            theirs = codec.decode(unpack(self._swap(pack(wire), partner), wire), L)
+            out = mx.where(paired, (codec.decode(wire, L) + theirs) / 2, buffer)
+        pairs = any(p != w for w, p in enumerate(partner))
+        payload = codec.wire_bytes(L)  # what a paired worker sends (one that sits out: the check only)
+        record = CollectiveRecord("pair_mean", codec.name, payload, payload * pairs + (M - 1) * CHECK_BYTES,
+                                  M - 1 + pairs, tag)
+        self.records.append(record)
+        return Pending(self, out, record, finish=lambda out: out, check=check)
 
     def _check(self, arrays: list) -> mx.array:
         """(num_workers, 3) float32: every worker's largest magnitude over `arrays` (each
@@ -364,3 +398,6 @@ class SimCommunicator(Communicator):
 
     def _shift(self, x):
         return mx.roll(x, 1, axis=0)
+
+    def _swap(self, x, partner):
+        return x[mx.array(partner)]

@@ -27,8 +27,9 @@ from .watchdog import watchdog
 
 class RingCommunicator(Communicator):
     """Process r of K hosts workers r*n .. r*n + n - 1 (n = 1 on a cluster; more in `sim --processes`):
-    sums add the local workers first, gathers concatenate the processes' slices in rank order, and a
-    shift passes each process's last worker to the next process."""
+    sums add the local workers first, gathers concatenate the processes' slices in rank order, a
+    shift passes each process's last worker to the next process, and a swap passes rows both ways
+    between neighbouring processes."""
 
     def __init__(self, group, timeout_s: float = 60.0, workers_per_process: int = 1):
         n, rank = workers_per_process, group.rank()
@@ -47,6 +48,42 @@ class RingCommunicator(Communicator):
         sent = mx.distributed.send(x[-1], (rank + 1) % K, group=self.group, stream=self.send_stream)
         received = mx.distributed.recv_like(x[-1], (rank - 1) % K, group=self.group, stream=self.stream)
         return mx.concatenate([mx.depends(received, sent)[None], x[:-1]])
+
+    def _swap(self, x, partner):
+        """Pairs within this process swap rows here; a pair across processes must have them ring
+        neighbours (MLX's ring sends only to the next or previous process), and each neighbour gets
+        one message: the rows of this process's workers paired with its workers, in worker order.
+        Every process checks the whole pairing, so that all raise together.
+
+        A receive has no inputs, so MLX may run it on its stream before anything else there: each
+        is wrapped as depends(received, sent), as in _shift, which runs it after its send and all
+        that the send waits on (the check's all-gather on the same sockets included). With two
+        neighbours (`sim --processes`, 3 processes or more), a process takes its two links in the
+        order of their numbers (link r joins processes r and r + 1 mod K): each link waits only on
+        links of lower numbers, so no two processes wait on each other."""
+        n, rank, K = self.n_local, self.group.rank(), self.group.size()
+        for w, p in enumerate(partner):
+            if (p // n - w // n) % K not in (0, 1, K - 1):
+                raise ValueError(f"workers {w} and {p} are paired, but their processes ({w // n} and {p // n}) "
+                                 "are no ring neighbours: MLX's ring sends only to the next or previous process")
+        first = self.local_workers[0]
+        rows = {w: x[w - first:w - first + 1] for w in self.local_workers}  # views: (1, ...) each
+        out = {w: rows[partner[w]] for w in self.local_workers if partner[w] in rows}
+        link = {(rank + 1) % K: rank, (rank - 1) % K: (rank - 1) % K}  # a neighbour -> the link's number
+        got = None
+        for peer in sorted({partner[w] // n for w in self.local_workers} - {rank}, key=link.get):
+            mine = [w for w in self.local_workers if partner[w] // n == peer]
+            message = x if mine == self.local_workers else mx.concatenate([rows[w] for w in mine])
+            if got is not None:  # after the exchange with the other neighbour
+                message = mx.depends(message, got)
+            sent = mx.distributed.send(message, peer, group=self.group, stream=self.send_stream)
+            theirs = [v for v in range(peer * n, peer * n + n) if partner[v] in rows]
+            received = mx.distributed.recv((len(theirs), *x.shape[1:]), x.dtype, peer, group=self.group,
+                                           stream=self.stream)
+            got = mx.depends(received, sent)
+            out.update({partner[v]: got[i:i + 1] for i, v in enumerate(theirs)})
+        parts = [out[w] for w in self.local_workers]
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts)  # (one worker, on a cluster: no copy)
 
     @contextmanager
     def _watched(self):

@@ -52,6 +52,10 @@ PROBLEMS = {p.name: p for p in [
             "the small GPT on Shakespeare, 2 Macs of speeds 1 and 0.5 (an M4 mini and an M1 laptop) on home internet",
             dict(_SHAKESPEARE, workers=2, steps=500, link="internet", eval_every=50, worker_speeds="1,0.5"),
             target_loss=4.6, large=_LARGE_GPT),
+    Problem("slow-mac-home",
+            "the small GPT on Shakespeare, 4 Macs on home internet, one of them 4x slower (a straggler)",
+            dict(_SHAKESPEARE, workers=4, steps=500, link="internet", eval_every=50, worker_speeds="1,1,1,0.25"),
+            target_loss=4.6, large=_LARGE_GPT),
 ]}
 
 

@@ -11,12 +11,17 @@ from .base import Strategy, option
 from .composite import Composite
 from .ddp import DDP
 from .demo import DeMo
+from .desloc import DESLOC
 from .diloco import DiLoCo, FedAvg
 from .muloco import MuLoCo
+from .noloco import NoLoCo
+from .quorum import Quorum
 from .sparta import SPARTA
+from .sparseloco import SparseLoCo
 from .sparta_diloco import SPARTADiLoCo
 
-STRATEGIES = {cls.name: cls for cls in (DiLoCo, DDP, FedAvg, SPARTA, DeMo, MuLoCo, SPARTADiLoCo)}
+STRATEGIES = {cls.name: cls for cls in (DiLoCo, DDP, FedAvg, SPARTA, DeMo, MuLoCo, SPARTADiLoCo,
+                                        SparseLoCo, DESLOC, Quorum, NoLoCo)}
 
 
 def strategy_class(name: str):
@@ -45,4 +50,5 @@ def option_names(cls) -> set:
 
 
 __all__ = ["STRATEGIES", "Strategy", "Composite", "option", "make_strategy", "strategy_class",
-           "DDP", "FedAvg", "DiLoCo", "SPARTA", "DeMo", "MuLoCo", "SPARTADiLoCo"]
+           "DDP", "FedAvg", "DiLoCo", "SPARTA", "DeMo", "MuLoCo", "SPARTADiLoCo",
+           "SparseLoCo", "DESLOC", "Quorum", "NoLoCo"]

@@ -76,6 +76,9 @@ class Strategy:
     # {fragment offset: factors} when the fragments' windows differ (membership.py).
     steps_can_differ = False
     sync_weights = None
+    # And `steps_taken`, a callable: ticks -> each job worker's inner steps after them (speeds.py),
+    # for a strategy whose schedule follows them (quorum.py); None: every worker steps every tick.
+    steps_taken = None
 
     def weights_of(self, fragment) -> list:
         """The factors on what each local worker sends of `fragment` at its sync (None: equal)."""
@@ -85,6 +88,9 @@ class Strategy:
     # optimizer's state): what memory.py counts for the strategy beside the replicas.
     outer_copies = 0
     keeps_global_model = False  # its global model is not a worker's (DiLoCo's outer step keeps one)
+    # What each worker keeps of its own beside its replica ("": nothing): a worker joining mid-run
+    # cannot take it from a peer, and one leaving would take it away (membership.py, run.py).
+    own_state = ""
 
     def __new__(cls, *args, **options):
         names = [f.name for f in fields(cls)] if hasattr(cls, "__dataclass_fields__") else []

@@ -67,6 +67,10 @@ class Composite(Strategy):
         return all(p.steps_can_differ for p in self.parts.values())
 
     @property
+    def own_state(self) -> str:
+        return " and ".join(p.own_state for p in self.parts.values() if p.own_state)
+
+    @property
     def outer_copies(self) -> int:
         return sum(p.outer_copies for p in self.parts.values())
 

@@ -95,6 +95,12 @@ class DiLoCo(Strategy):
         return self.ddp_warmup_steps == 0
 
     @property
+    def own_state(self) -> str:
+        parts = [("an exchange in flight (overlap-steps)", self.overlap_steps),
+                 ("what compression lost (error-feedback)", self.error_feedback)]
+        return " and ".join(what for what, on in parts if on)
+
+    @property
     def outer_copies(self) -> int:
         """The global values and the outer optimizer's per-value state (in files when offloaded)."""
         if self.offload_outer:

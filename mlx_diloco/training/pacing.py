@@ -31,9 +31,10 @@ class Pacing:
 
     def _weigh_by_tokens(self):
         """Workers take the steps that fit a round: weigh each worker's pseudo-gradient by the
-        tokens it processed."""
+        tokens it processed, and tell the strategy who steps when."""
         weights = self.speeds.sync_weights(self.strategy.sync_every)  # every worker steps in a round
         self.strategy.sync_weights = [weights[w] for w in self.slots]
+        self.strategy.steps_taken = self.speeds.steps_taken
 
     @staticmethod
     def _timeline(schedule, strategy, steps: int):

@@ -290,6 +290,8 @@ class Run:
                 tick.losses = self.workers.step(x, y, self.strategy, tick.step, active)
             tick.seconds = time.perf_counter() - t0
             self._step_s = (tick.seconds - (self.comm.wait_s - wait0)) / self.comm.n_local  # DDP syncs inside the step
+        else:
+            self.workers.count_tick()
         return tick
 
     def end_step(self, tick: Tick):
@@ -460,9 +462,9 @@ class Run:
         that member's inner optimizer state, the step and the run's counters; and their shard's cursor
         where the slot's last worker left it. Every process of the ring takes part."""
         ring = self.place.ring_slots
-        if getattr(self.strategy, "overlap_steps", 0) or getattr(self.strategy, "error_feedback", False):
-            raise ConfigError("a worker cannot join a job with overlap-steps or error-feedback (it has no part in "
-                              "the exchange in flight or the compression error); start the job without them")
+        if self.strategy.own_state:
+            raise ConfigError(f"a worker cannot join a {self.strategy.name} job whose workers each keep "
+                              f"{self.strategy.own_state} of their own; start the job with every worker, or without it")
         peer = ring.index(min(set(ring) - set(joiners)))
         clock = {"counts": mx.array([self.steps_done, self.ledger.bytes_sent, self.ledger.peak_bytes], mx.int64),
                  "seconds": mx.array([self.compute_s, self.ledger.comm_s], mx.float32)}

@@ -247,6 +247,13 @@ class Workers:
         self.release()
         return losses, reduced
 
+    def count_tick(self):
+        """A tick at which none of this process's replicas steps (they are slower: speeds.py) still
+        counts in the optimizer's step, so that its learning-rate schedule and bias correction follow
+        ticks, as in the simulator, where one optimizer steps the stacked replicas at every tick."""
+        for o in getattr(self.optimizer, "optimizers", [self.optimizer]):  # a MultiOptimizer's parts count their own
+            o.state["step"] = o.step + 1
+
     def step(self, x, y, strategy, step: int, active=None) -> mx.array:
         """One inner step of every local replica (of those `active` marks, if given); `step` is
         the job-wide step number (1-based). The strategy's after_step (the outer step) is left
