@@ -144,7 +144,7 @@ class TrainConfig:
             return
         if not strategy.steps_can_differ:
             raise ConfigError(f"speed-policy time needs a strategy that exchanges only at its syncs "
-                              f"(diloco, fedavg, muloco; no ddp-warmup-steps), not {strategy.name}; "
+                              f"(diloco, fedavg, muloco, quorum; no ddp-warmup-steps), not {strategy.name}; "
                               "use --speed-policy fixed")
         speeds, H = Speeds.of(self), strategy.sync_every
         if speeds and min(steps := speeds.steps_taken(H)) == 0:

@@ -165,6 +165,9 @@ def check_strategy(strategy):
     if not strategy.steps_can_differ:
         raise ConfigError(f"membership needs a strategy that exchanges only at its syncs (diloco, fedavg, muloco; "
                           f"no ddp-warmup-steps), not {strategy.name}; drop --membership")
+    if not strategy.syncs_every_h:
+        raise ConfigError(f"membership needs syncs every H steps, which {strategy.name} has not (its outer steps "
+                          "come when workers report); drop --membership")
     if strategy.own_state:
         raise ConfigError(f"membership is not simulated with {strategy.own_state} kept by each worker (a leaver "
                           f"would take it away, a joiner has none); drop --membership, or the option that keeps it")

@@ -71,6 +71,7 @@ class MemoryOptions:
     offload_outer: bool      # the strategy's option (False where it has none)
     fragments: int           # the strategy's option: P fragments synced one at a time (1 where it has none)
     outer_copies: int        # model-sized fp32 arrays the strategy keeps between syncs, unless offloaded
+    worker_copies: int       # and those each worker keeps of its own (an error-feedback buffer)
     periodic: bool           # it syncs every H steps: a sync's buffers, and a global model to evaluate
     strategy_options: tuple  # the names of its options: which of offload_outer, fragments it can turn
 
@@ -80,7 +81,7 @@ class MemoryOptions:
         options = strategy.options()
         return cls(config.batch_size, config.seq_len, config.precision, config.moments_precision,
                    config.grad_checkpoint, options.get("offload_outer", False), options.get("fragments", 1),
-                   strategy.outer_copies, strategy.sync_every > 0, tuple(options))
+                   strategy.outer_copies, strategy.worker_copies, strategy.sync_every > 0, tuple(options))
 
     def describe(self) -> str:
         parts = [f"batch {self.batch_size} x {self.seq_len}", self.precision]
@@ -117,7 +118,8 @@ def estimate(shape: Shape, o: MemoryOptions, workers: int = 1) -> dict:
         "weights": workers * P * w + frozen,
         "gradients": workers * P * w,
         "moments": workers * 2 * P * m,
-        "outer state": 0 if o.offload_outer else o.outer_copies * P * 4,  # e.g. global model, momentum (fp32)
+        "outer state": (0 if o.offload_outer else o.outer_copies * P * 4)  # e.g. global model, momentum (fp32)
+        + workers * o.worker_copies * P * 4,
         "activations": workers * int(activations),
         # one fragment's buffers at a sync: its values, the pseudo-gradient and its mean, ~3.5 fp32
         # copies measured (offloaded, ~4: the global values and momentum read back, one at a time)

@@ -24,6 +24,7 @@ POLICIES = ("fixed", "time")
 class Speeds:
     speeds: tuple
     policy: str
+    start: int = 0  # the tick they apply from: speeds measured over the first round (every worker stepped)
 
     @classmethod
     def of(cls, config):
@@ -49,9 +50,9 @@ class Speeds:
 
     def steps_taken(self, tick: int) -> list:
         """Inner steps each worker has taken after `tick` ticks."""
-        if self.policy == "fixed":
+        if self.policy == "fixed" or tick <= self.start:
             return [tick] * len(self.speeds)
-        return [math.floor(tick * r + 1e-9) for r in self.relative]
+        return [self.start + math.floor((tick - self.start) * r + 1e-9) for r in self.relative]
 
     def active(self, tick: int) -> list:
         """Whether each worker takes an inner step at `tick` (1-based)."""
@@ -69,5 +70,5 @@ class Speeds:
     def sync_weights(self, sync_every: int) -> list:
         """Factor on each worker's pseudo-gradient so that the all-reduce's mean weighs it by the
         tokens it processed in a round (M n_i / sum n): 1 for everyone under the fixed policy."""
-        steps = self.steps_taken(sync_every)
+        steps = [b - a for a, b in zip(self.steps_taken(self.start), self.steps_taken(self.start + sync_every))]
         return [len(steps) * n / sum(steps) for n in steps]

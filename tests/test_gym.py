@@ -12,10 +12,10 @@ from mlx_diloco.config import ConfigError, TrainConfig
 from mlx_diloco.exchange.comm import SimCommunicator
 from mlx_diloco.gym import scorecard
 from mlx_diloco.gym.problems import PROBLEMS
+from mlx_diloco.speeds import Speeds
 from mlx_diloco.training.metrics import MetricsLog
 from mlx_diloco.training.resolve import resolve
 from mlx_diloco.training.run import Run
-from mlx_diloco.speeds import Speeds
 
 TINY = dict(model="tiny", seq_len=16, batch_size=4, eval_batches=2, warmup=2)
 TINY_FLAGS = ["--model", "tiny", "--seq-len", "16", "--batch-size", "4", "--eval-batches", "2", "--warmup", "2"]
@@ -125,6 +125,15 @@ def test_time_paced_workers_take_the_steps_that_fit(tmp_path):
     rows = MetricsLog.read(tmp_path / "f")
     assert rows[-1]["tokens"] == 2 * 8 * 4 * 16 and rows[-1]["compute_s"] == pytest.approx(8 * 0.2)
     assert rows[-1]["idle_fraction"] == pytest.approx(0.25) and rows[-1]["utilisation"] < 0.76
+
+
+def test_measured_speeds_apply_after_the_round_that_measured_them():
+    """Every worker stepped through the first round (H = 10): the slow one's steps and weight follow
+    its speed only from there."""
+    speeds = Speeds((1, 0.5), "time", start=10)
+    assert speeds.steps_taken(10) == [10, 10] and speeds.steps_taken(20) == [20, 15]
+    assert speeds.active(11) == [True, False] and speeds.active(12) == [True, True]
+    assert speeds.sync_weights(10) == pytest.approx([4 / 3, 2 / 3])
 
 
 def test_a_cluster_measures_its_workers_speeds(tmp_path):

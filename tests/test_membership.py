@@ -56,7 +56,7 @@ def test_schedules_are_checked_in_one_line(tmp_path):
                              (dict(ddp_warmup_steps=2), "exchanges only at its syncs"),
                              (dict(fragments=2, overlap_steps=1), "exchange in flight (overlap-steps) kept"),
                              (dict(compress="int8", error_feedback=True), "compression lost (error-feedback) kept"),
-                             (dict(strategy="quorum"), "a round (the global model it began from, the steps it took)")]:
+                             (dict(strategy="quorum"), "which quorum has not (its outer steps come when workers report)")]:
         with pytest.raises(ConfigError, match=re.escape(message)):
             resolve(config(**options))
     out = run_cli("sim", *TINY_FLAGS, "--workers", "3", "--membership", "0:4,8:3", "--run-dir", tmp_path / "r")

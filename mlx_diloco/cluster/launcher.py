@@ -272,7 +272,8 @@ class Launcher:
         check_model_here(config.model)
         run_dir, resolved = Path(run_dir), resolve(config)
         config = resolved.config
-        elastic = resolved.strategy.steps_can_differ and bool(resolved.strategy.sync_every)
+        s = resolved.strategy  # elastic: workers may come and go between syncs that fall every H steps
+        elastic = s.steps_can_differ and bool(s.sync_every) and s.syncs_every_h
         grown, history = with_room_to_grow(config, options.max_workers, elastic)
         if (run_dir / "launch.json").exists():
             raise ConfigError(f"{run_dir} already holds a job; pass --resume to continue it, or another --run-dir")

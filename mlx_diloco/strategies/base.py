@@ -15,7 +15,8 @@ hooks around every inner step:
 
 and answers what the rest of the package asks of it, so that nothing outside strategies/ tests
 its name: `label()` (plots, scorecards), `global_from_state(template, arrays)` (export),
-`steps_can_differ` (speed-policy time), `outer_copies` (memory estimates).
+`steps_can_differ` (speed-policy time), `syncs_every_h` (membership, elastic jobs), `own_state`
+(who may join), `outer_copies` and `worker_copies` (memory estimates), `keeps_global_model`.
 
 Parameters and gradients carry a leading local-worker axis (see exchange/comm.py). `step` is the job-wide
 inner step counter, which every worker agrees on, so a sync schedule can never drift.
@@ -85,8 +86,13 @@ class Strategy:
         w = self.sync_weights
         return w.get(fragment.offset) if isinstance(w, dict) else w
     # Model-sized fp32 arrays held in memory between syncs (DiLoCo: the global model and its outer
-    # optimizer's state): what memory.py counts for the strategy beside the replicas.
+    # optimizer's state): what memory.py counts for the strategy beside the replicas; and those
+    # each local worker keeps of its own (an error-feedback buffer), counted once per worker.
     outer_copies = 0
+    worker_copies = 0
+    # Its syncs come every H ticks, at its fragments' offsets: what membership changes, a joiner's
+    # catch-up and an elastic cluster rely on (quorum rounds' outer steps come when workers report).
+    syncs_every_h = True
     keeps_global_model = False  # its global model is not a worker's (DiLoCo's outer step keeps one)
     # What each worker keeps of its own beside its replica ("": nothing): a worker joining mid-run
     # cannot take it from a peer, and one leaving would take it away (membership.py, run.py).

@@ -67,6 +67,14 @@ class Composite(Strategy):
         return all(p.steps_can_differ for p in self.parts.values())
 
     @property
+    def worker_copies(self) -> int:
+        return sum(p.worker_copies for p in self.parts.values())
+
+    @property
+    def syncs_every_h(self) -> bool:
+        return all(p.syncs_every_h for p in self.parts.values())
+
+    @property
     def own_state(self) -> str:
         return " and ".join(p.own_state for p in self.parts.values() if p.own_state)
 

@@ -97,6 +97,8 @@ def mean_over_senders(idx: mx.array, values: mx.array, size: int) -> mx.array:
 class DeMo(Strategy):
     name = "demo"
     clip_gradients = False
+    own_state = "a momentum"
+    worker_copies = 1  # each worker's momentum (fp32)
     beta: float = option(0.999, "decay of each worker's momentum")
     chunk: int = option(64, "largest side of a DCT block (each side: the largest divisor not above it)")
     topk: int = option(32, "DCT coefficients each worker sends per block")

@@ -95,6 +95,10 @@ class DiLoCo(Strategy):
         return self.ddp_warmup_steps == 0
 
     @property
+    def worker_copies(self) -> int:
+        return int(self.error_feedback)  # what compression lost, per worker (fp32)
+
+    @property
     def own_state(self) -> str:
         parts = [("an exchange in flight (overlap-steps)", self.overlap_steps),
                  ("what compression lost (error-feedback)", self.error_feedback)]

@@ -67,7 +67,7 @@ def pairing(workers: int, seed: int, outer_step: int) -> list:
 @dataclass
 class NoLoCo(Strategy):
     name = "noloco"
-    outer_copies = 2  # each worker's outer weights and momentum (per process: one worker on a cluster)
+    worker_copies = 2  # each worker's outer weights and momentum (fp32)
     own_state = "outer weights and momentum"
     sync_every: int = option(50, "H: inner steps between outer steps")
     outer_lr: float = option(0.7, "outer learning rate, also the weight of the pull toward the pair's mean")

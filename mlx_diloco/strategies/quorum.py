@@ -102,7 +102,7 @@ class Quorum(Strategy):
     name = "quorum"
     keeps_global_model = True
     steps_can_differ = True  # workers exchange nothing between outer steps
-    own_state = "a round (the global model it began from, the steps it took)"
+    syncs_every_h = False    # an outer step comes when K workers have reported
     sync_every: int = option(50, "H: inner steps a worker takes in a round before it reports")
     quorum: int = option(0, "K: reports of H inner steps an outer step waits for (0: every worker but one)")
     grace_steps: int = option(-1, "ticks an outer step waits for more reports once K workers have reported "

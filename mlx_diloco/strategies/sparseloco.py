@@ -121,7 +121,8 @@ def unpack_codes(packed: mx.array, K: int) -> mx.array:
 class SparseLoCo(Strategy):
     name = "sparseloco"
     keeps_global_model = True
-    outer_copies = 2  # the global model and this worker's error-feedback buffer (fp32)
+    outer_copies = 1  # the global model (fp32)
+    worker_copies = 1  # each worker's error-feedback buffer (fp32)
     own_state = "an error-feedback buffer"
     sync_every: int = option(15, "H: inner steps between syncs")
     outer_lr: float = option(1.0, "outer learning rate (also the factor on the pseudo-gradient added to the error buffer)")

@@ -132,7 +132,7 @@ class Pacing:
         H = self.strategy.sync_every
         # In steps of 0.05 (machines within a few percent count as equal), and at least one step a round.
         speeds = tuple(max(round(20 * min(times) / t) / 20, 1 / H) for t in times)
-        self.speeds, self.measuring = Speeds(speeds, "time"), False
+        self.speeds, self.measuring = Speeds(speeds, "time", start=H), False
         self._weigh_by_tokens()
         self.log(f"measured worker speeds: {', '.join(f'{s:g}' for s in speeds)}; each takes the steps that fit a round")
 
@@ -144,5 +144,5 @@ class Pacing:
     def resume_with(self, speeds):
         """A resumed run keeps the speeds it measured before its checkpoint."""
         if self.measuring and speeds:
-            self.speeds, self.measuring = Speeds(tuple(speeds), "time"), False
+            self.speeds, self.measuring = Speeds(tuple(speeds), "time", start=self.strategy.sync_every), False
             self._weigh_by_tokens()
