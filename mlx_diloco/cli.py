@@ -161,9 +161,12 @@ def cmd_worker(args):
     """One worker of a cluster job or of sim's processes, as its job file says (worker_job.py);
     its rank and peers from MLX_RANK and MLX_HOSTFILE (set by the agent, by sim, or by hand)."""
     from .exchange.ring import init_ring
+    from .training.processes import exit_with_parent
     from .training.run import Placement, Run, StoppedForChange
     from .worker_job import STOPPED_FOR_CHANGE, WorkerJob
     job = WorkerJob.read(args.job)
+    if job.simulated:
+        exit_with_parent()
     config = TrainConfig.from_dict(job.config)
     comm = init_ring(job.collective_timeout, job.workers_per_process, job.backend)
     rank = comm.local_workers[0]

@@ -77,3 +77,29 @@ def test_a_dead_process_ends_the_run_with_a_clear_line(tmp_path):
     os.kill(victim, signal.SIGKILL)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2 and "simulator process 1 of 2 failed (exit -9)" in err and "--resume" in err, err[-1000:]
+
+
+def test_the_processes_stop_when_sim_is_killed(tmp_path):
+    """SIGKILL leaves sim no `finally` to stop its processes: they notice and exit on their own."""
+    import os
+    import subprocess
+    import sys
+    import time
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_diloco", "sim", *FLAGS[:9], "100000", *FLAGS[10:],
+                             "--processes", "2", "--run-dir", str(tmp_path / "r")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline, worker = time.time() + 120, None
+    while worker is None and time.time() < deadline:
+        time.sleep(0.5)
+        worker = next((int(pid) for pid in filter(str.isdigit, os.listdir("/proc")) if sim_job(pid, tmp_path / "r")),
+                      None)
+    assert worker, "the second process never started"
+    proc.kill()
+    proc.wait()
+    while os.path.exists(f"/proc/{worker}") and time.time() < deadline:
+        with open(f"/proc/{worker}/stat") as f:
+            if f.read().split()[2] == "Z":  # exited, not yet reaped (its parent is gone)
+                break
+        time.sleep(0.2)
+    alive = os.path.exists(f"/proc/{worker}") and open(f"/proc/{worker}/stat").read().split()[2] != "Z"
+    assert not alive, "sim's process trains on after sim was killed"

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -151,6 +152,18 @@ def run_processes(config: TrainConfig, run_dir: Path, processes: int, resume: bo
                 if p.poll() is None:
                     p.kill()
                 p.wait()
+
+
+def exit_with_parent():
+    """In a process that sim started: exit once sim is gone. A sim killed outright (SIGTERM, SIGKILL)
+    never reaches the `finally` that stops its processes, and they would train on alone."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def simulate(config: TrainConfig, run_dir: Path, processes: int = 0, resume: bool = False, log=print) -> dict:
