@@ -30,7 +30,7 @@ STRATEGIES = {
     "diloco": dict(strategy="diloco"),
     "sparseloco": dict(strategy="sparseloco"),
     "desloc": dict(strategy="desloc"),
-    "local-adam": dict(strategy="desloc", first_moment_sync_every=50, second_moment_sync_every=50),
+    "local-adam": dict(strategy="desloc", first_moment_sync_every=50, second_moment_sync_every=50),  # = Kx, its default
     "noloco": dict(strategy="noloco"),
     "fedavg": dict(strategy="fedavg"),
     "streaming-int4": dict(strategy="diloco", fragments=5, overlap_steps=1, compress="int4"),
