@@ -206,9 +206,11 @@ def test_a_link_is_of_one_kind_seen_from_either_end():
 
 def test_the_launcher_knows_the_strategy_s_default_sync_period():
     """A worker long in a step is "syncing" at a sync point: H comes from the strategy's default
-    when the job did not set it (the config holds only what was given)."""
-    from mlx_diloco.cluster.launcher import sync_every
+    when the job did not set it (the config holds only what was given); quorum rounds sync when K
+    workers have reported, off that grid."""
+    from mlx_diloco.cluster.launcher import sync_grid
     from mlx_diloco.config import TrainConfig
-    assert sync_every(TrainConfig(strategy="diloco").to_dict()) == 50
-    assert sync_every(tiny_config(strategy="diloco").to_dict()) == 4
-    assert sync_every(tiny_config(strategy="ddp").to_dict()) == 0
+    assert sync_grid(TrainConfig(strategy="diloco").to_dict()) == 50
+    assert sync_grid(tiny_config(strategy="diloco").to_dict()) == 4
+    assert sync_grid(tiny_config(strategy="ddp").to_dict()) == 0
+    assert sync_grid(tiny_config(strategy="quorum").to_dict()) == 0

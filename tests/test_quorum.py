@@ -1,5 +1,5 @@
 """Quorum rounds (strategies/quorum.py, after Decoupled DiLoCo): the outer step waits for K of M
-reports, a late worker's pseudo-gradient counts at a later outer step by its tokens and staleness;
+reports, a late worker counts at a later outer step by its tokens and staleness;
 checked against a numpy reference of that definition, against DiLoCo where they coincide, and in
 runs."""
 
@@ -25,14 +25,14 @@ QUIET = dict(log=lambda m: None)
 def reference(init, updates, speeds, H, K, grace, T, lr=0.7, momentum=0.9, exponent=1.0):
     """The definition in float64: workers step (x -= update) at the ticks their speed reaches; a
     worker reports after H steps in its round; at the first tick with K reports and `grace` ticks
-    since the K-th (or M reports), the reported workers' (anchor - local) enter a mean weighted by
+    since the K-th (or M reports), the reported workers' (global - local) enter a mean weighted by
     tokens / (1 + outer steps missed) ** exponent, Nesterov steps the global model, and they restart
     from it. The last tick applies everyone (a plain mean when nobody reported).
     Returns the global model after each tick and the ticks of the outer steps."""
     M = len(speeds)
     taken = Speeds(tuple(speeds), "time").steps_taken
     glob, v = init.astype(np.float64), np.zeros(init.shape)
-    local, anchor = [glob.copy() for _ in range(M)], [glob.copy() for _ in range(M)]
+    local = [glob.copy() for _ in range(M)]
     base, born, reported = [0] * M, [0] * M, [None] * M
     outer, quorum_tick, globals_, outer_ticks = 0, None, [], []
     for t in range(1, T + 1):
@@ -53,7 +53,7 @@ def reference(init, updates, speeds, H, K, grace, T, lr=0.7, momentum=0.9, expon
             globals_.append(glob.copy())
             continue
         a = {w: (now[w] - base[w]) / (1 + outer - born[w]) ** exponent for w in applied}
-        delta = sum(a[w] * (anchor[w] - local[w]) for w in applied) / sum(a.values())
+        delta = sum(a[w] * (glob - local[w]) for w in applied) / sum(a.values())
         if t == T and not rep:
             glob = glob - delta
         else:
@@ -61,7 +61,7 @@ def reference(init, updates, speeds, H, K, grace, T, lr=0.7, momentum=0.9, expon
             glob = glob - lr * (delta + momentum * v)
         outer += 1
         for w in applied:
-            local[w], anchor[w], base[w], born[w], reported[w] = glob.copy(), glob.copy(), now[w], outer, None
+            local[w], base[w], born[w], reported[w] = glob.copy(), now[w], outer, None
         quorum_tick = None
         globals_.append(glob.copy())
         outer_ticks.append(t)
@@ -83,7 +83,7 @@ def drive(init, updates, speeds, H, K, grace, T, nan_at=None, until=None):
             step[nan_at[1], 0] = np.nan
         params = strategy.after_step({"w": params["w"] - mx.array(step)}, t)
         globals_.append(np.array(strategy.global_params(params)["w"]))
-    return globals_, strategy
+    return globals_, strategy, params
 
 
 def problem(M, scale, T, seed=0, L=64):
@@ -117,19 +117,21 @@ def test_strategy_matches_the_reference(case, M, scale):
     init, updates = problem(M, scale, T)
     want, outer_ticks = reference(init, updates, speeds(M), H, K(M), grace, T)
     assert outer_ticks == ticks(M)
-    got, strategy = drive(init, updates, speeds(M), H, K(M), grace, T)
+    got, strategy, _ = drive(init, updates, speeds(M), H, K(M), grace, T)
     for t, (g, w) in enumerate(zip(got, want), start=1):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * scale, err_msg=f"tick {t}")
-    assert strategy.anchors == {}  # the run ended with every report applied
+    assert strategy.rounds.reported == [-1] * M  # the run ended with every report applied
 
 
-def test_a_worker_not_applied_keeps_training_from_its_old_anchor():
-    """After the first outer step the straggler's local values are untouched and its anchor is the
-    initial model (kept beside the global one); the fast workers hold the new global model."""
+def test_a_worker_not_applied_trains_on():
+    """After the first outer step (tick 4) the straggler's values are its own (the initial model
+    less its two steps); the fast workers hold the new global model."""
     init, updates = problem(3, 1.0, 10)
-    strategy = drive(init, updates, [1.0, 1.0, 0.5], 4, 2, 0, T=10, until=4)[1]
-    assert strategy.rounds.version == [1, 1, 0] and list(strategy.anchors) == [0]
-    np.testing.assert_array_equal(np.array(strategy.anchors[0]), init)
+    globals_, strategy, params = drive(init, updates, [1.0, 1.0, 0.5], 4, 2, 0, T=10, until=4)
+    assert strategy.rounds.version == [1, 1, 0]
+    local = np.array(params["w"])
+    np.testing.assert_allclose(local[2], init - updates[2][2] - updates[4][2], rtol=1e-6)
+    np.testing.assert_array_equal(local[:2], np.stack([globals_[-1]] * 2))
 
 
 @pytest.mark.parametrize("worker", [0, 2])
@@ -174,6 +176,7 @@ def test_slow_mac_run_trains_and_counts_one_all_reduce_per_outer_step(tmp_path):
     rows = [json.loads(l) for l in (tmp_path / "q" / "metrics.jsonl").read_text().splitlines()]
     last = rows[-1]
     assert last["eval_loss"] < rows[0]["eval_loss"] - 0.05
+    assert [r["outer_step"] for r in rows] == [0, 0, 1, 2, 3, 4, 5]  # evaluations every 4 ticks
     assert last["tokens_per_shard"][3] * 4 == last["tokens_per_shard"][0]  # it took a quarter of the steps
     assert last["compute_s"] == pytest.approx(24 * 0.05)  # a tick: the fast workers' step; nobody waits
     assert last["modelled_time_s"] == pytest.approx(last["compute_s"] + last["comm_s"])
@@ -186,12 +189,12 @@ def test_slow_mac_run_trains_and_counts_one_all_reduce_per_outer_step(tmp_path):
 
 
 def test_resume_continues_exactly(tmp_path):
-    """Stopped at 10, the checkpoint at 8 holds the straggler's anchor (the initial model) and its round."""
+    """Stopped at 10, the checkpoint at 8 holds the straggler's round (begun before the first outer step)."""
     config = tiny_config(strategy="quorum", steps=16, grace_steps=1, **SLOW_MAC)
     straight = Run(config, tmp_path / "straight", SimCommunicator(4), **QUIET)
     straight.train()
     resumed = resumed_run(config, tmp_path / "split", stop_after=10)
-    assert resumed.steps_done == 8 and list(resumed.strategy.anchors) == [0]
+    assert resumed.steps_done == 8 and resumed.strategy.rounds.version == [1, 1, 1, 0]
     resumed.train()
     assert_same_arrays(global_of(straight), global_of(resumed))
 

@@ -111,11 +111,13 @@ class JobState:
 RESTARTS = ("membership_change", "restarted")  # events whose total_s is time the job did not train
 
 
-def sync_every(config: dict) -> int:
-    """The job's H (0: its strategy syncs every step), with the strategy's default when not given."""
+def sync_grid(config: dict) -> int:
+    """Every how many steps the job's workers sync, with the strategy's default H when not given
+    (0: at steps not known in advance, or every step: a blocked worker is in an exchange)."""
     from ..strategies import make_strategy  # (MLX, on call: the launcher's planning imports without it)
     c = TrainConfig.from_dict(config)
-    return make_strategy(c.strategy, c.strategy_options).sync_every
+    strategy = make_strategy(c.strategy, c.strategy_options)
+    return strategy.sync_every if strategy.syncs_every_h else 0  # quorum rounds: when K workers report
 
 
 class JobFailed(Exception):
@@ -257,7 +259,7 @@ class Launcher:
         self.restart_s = sum(e["total_s"] for e in self._events() if e["event"] in RESTARTS)
         self.status = run_status.StatusWriter(self.run_dir, "launch")  # what the dashboard shows of each worker
         self.step_rate, self.shown, self.offered = run_status.StepRate(), {}, {}
-        self.sync_every = sync_every(self.state.config)
+        self.sync_grid = sync_grid(self.state.config)
         self.last_steps = {}      # each worker's last reported step: where a lost one left
         self.pending_join = None  # a machine admitted at the next sync point
         self.discovered = queue.SimpleQueue()  # agents that appeared on mDNS (discovery.watch's thread)
@@ -604,7 +606,7 @@ class Launcher:
     def _state_of(self, status, progress, steps_per_s) -> str:
         """What a member's worker is doing (run_status.STATES). One whose last step is older than three
         of its step times (2 s at least) is blocked in a collective: syncing if the step it is in
-        ends at a sync point (or its strategy syncs every step), else waiting on a peer."""
+        ends at a sync point (or its strategy syncs off a grid of H steps), else waiting on a peer."""
         if status is None or status["state"] == "unknown":
             return "lost"
         if status["state"] == "exited":
@@ -614,7 +616,7 @@ class Launcher:
         if progress.get("stopped"):
             return "restarting"
         if progress["age_s"] > max(2.0, 3 / (steps_per_s or 1)):
-            period = self.sync_every
+            period = self.sync_grid
             return "syncing" if not period or (progress["step"] + 1) % period == 0 else "waiting"
         return "training"
 

@@ -122,6 +122,10 @@ class Strategy:
         """Inner steps between the strategy's periodic syncs (0: it has none)."""
         return 0
 
+    def outer_steps_done(self, steps: int):
+        """Outer steps (syncs) after `steps` inner steps, for the metrics (None: it has none)."""
+        return -(-steps // self.sync_every) if self.sync_every else None
+
     def label(self) -> str:
         """A short name for plots and scorecards: the strategy and the options that set a run apart."""
         o, parts = self.options(), [self.name]

@@ -4,25 +4,30 @@ slowest worker.
 Each worker steps at its own pace (speed-policy time: speeds.py) and *reports* once it has taken H
 inner steps since its round began. An outer step happens at the first tick where at least K
 workers have reported and `grace_steps` ticks have passed since the K-th did (at once when all M
-have). It takes the weighted mean of the reported workers' pseudo-gradients
+have). It takes the weighted mean of the reported workers' pseudo-gradients, each against the
+global model as it is now (the paper's merge; a straggler's values pull it back towards them)
 
-    delta_w = anchor_w - local_w          anchor_w: the global model w's round began from
+    delta_w = global - local_w
     weight_w = tokens_w * (1 + s_w) ** -staleness_exponent
 
 (tokens_w: the inner steps w took in its round, up to this tick; s_w: the outer steps the global
 model took since w's round began) and steps the global model with the outer optimizer (DiLoCo's
 OUTER_OPTIMIZERS). The workers it applied restart from the new global model; the others train on,
-and their pseudo-gradient, stale by then, counts at a later outer step. The run ends with an outer
-step that applies every worker (a plain weighted mean when none of them completed a round, as
-DiLoCo's short last round).
+and count at a later outer step. The run ends with an outer step that applies every worker (a
+plain weighted mean when none of them completed a round, as DiLoCo's short last round).
+
+Why against the global model of now and not of the round's start: a straggler's progress since its
+round began overlaps what the global model took meanwhile from the others, and counting it again
+overshoots (mixed-home, 2 Macs, K = 1: eval loss 5.13 that way, the global model's swinging with
+the two-round cycle; 4.50 this way; docs/results.md).
 
 The schedule is a function of the workers' steps alone (Rounds), the same in the simulator and in
 every process of a ring: at an outer step every worker takes part in one all-reduce, the workers
 not applied with weight 0. With equal speeds everyone reports at once, and this is DiLoCo.
 
 Where this departs from the paper: its grace window adapts, here it is a fixed number of ticks; its
-merge weighs each learner by the tokens it processed, the staleness factor is ours (a batch's
-tokens are the same for every worker, so tokens are inner steps); and the whole model syncs at
+merge weighs each learner by tokens x tokens per step (a batch's tokens are the same for every
+worker, so that is inner steps here), the staleness factor is ours; and the whole model syncs at
 once, not fragment by fragment.
 """
 
@@ -41,8 +46,7 @@ from .fragments import OuterStore, gather, global_tree, partition, scatter
 class Rounds:
     """Who reports when, and which workers an outer step applies, from the inner steps each job
     worker has taken (`taken`, given at every tick in order): plain integers, so every process
-    agrees. `version[w]`: the outer steps done when w's round began (its anchor is the global model
-    of then); `base[w]`: its inner steps then; `reported[w]`: the tick it reported, or -1."""
+    agrees. `version[w]`: the outer steps done when w's round began; `base[w]`: its inner steps then; `reported[w]`: the tick it reported, or -1."""
 
     def __init__(self, workers: int, H: int, K: int, grace: int):
         self.M, self.H, self.K, self.grace = workers, H, K, grace
@@ -131,10 +135,10 @@ class Quorum(Strategy):
 
     @property
     def outer_copies(self) -> int:
-        """The global model, the outer optimizer's per-value state, and the anchor of one late worker."""
+        """The global model and the outer optimizer's per-value state."""
         probe = OUTER_OPTIMIZERS[self.outer_optimizer](self)
         probe.init({"p": mx.zeros(1)})
-        return 2 + len(probe.state["p"])
+        return 1 + len(probe.state["p"])
 
     def bind(self, comm, steps: int):
         M = comm.num_workers
@@ -148,18 +152,12 @@ class Quorum(Strategy):
         self.pieces = partition(params, 1)[0]  # the whole model as one flat buffer
         self.store = OuterStore(gather({k: v[None] for k, v in tree_flatten(params)}, self.pieces)[0],
                                 OUTER_OPTIMIZERS[self.outer_optimizer](self))
-        # The global model at the start of the rounds of workers not applied since (by outer-step
-        # count): one more model for each outer step a straggler missed the start of, none otherwise.
-        self.anchors = {}
         self.rounds = Rounds(M, H, self.quorum or max(M - 1, 1), H // 10 if self.grace_steps < 0 else self.grace_steps)
 
     def _taken(self, tick: int) -> list:
         """Each job worker's inner steps after `tick` ticks (training/pacing.py sets steps_taken when
         workers step at their own pace)."""
         return self.steps_taken(tick) if self.steps_taken else [tick] * self.comm.num_workers
-
-    def _anchor(self, version: int) -> mx.array:
-        return self.store.global_values if version == self.rounds.outer_steps else self.anchors[version]
 
     def after_step(self, params, step):
         taken = self._taken(step)
@@ -180,13 +178,9 @@ class Quorum(Strategy):
         # The all-reduce's mean over M becomes the weighted mean over the applied workers. A worker
         # not applied sends 0 times its values: a NaN anywhere still stops the run here, named.
         factors = [M * weights[w] / total for w in local]
-        anchors = mx.stack([self._anchor(rounds.version[w]) for w in local])
-        delta = (anchors - gather(flat, self.pieces)) * mx.array(factors)[:, None]
-        del anchors
-        mean_delta = self.comm.start_mean(delta, get_codec(self.compress), tag="quorum outer step").result()
         old = self.store.global_values
-        if any(rounds.version[w] == rounds.outer_steps for w in range(M) if w not in applied):
-            self.anchors[rounds.outer_steps] = old  # a worker not applied began its round from it
+        delta = (old[None] - gather(flat, self.pieces)) * mx.array(factors)[:, None]
+        mean_delta = self.comm.start_mean(delta, get_codec(self.compress), tag="quorum outer step").result()
         if final and all(rounds.reported[w] < 0 for w in applied):
             # No worker completed a round: the weighted mean, as DiLoCo's short last round (an outer
             # step's momentum would carry the global model past the workers).
@@ -200,7 +194,6 @@ class Quorum(Strategy):
             mx.eval(new, outer.state)
             self.store.global_values, self.store.outer_state = new, outer.state
         rounds.apply(applied, taken)
-        self.anchors = {v: a for v, a in self.anchors.items() if v in rounds.version}
         n = len(local)
         if all(w in applied for w in local):
             merged = mx.broadcast_to(new[None], (n, new.size))
@@ -211,6 +204,9 @@ class Quorum(Strategy):
         mx.eval(list(out.values()))
         return out
 
+    def outer_steps_done(self, steps: int) -> int:
+        return self.rounds.outer_steps  # they come when K workers have reported, not every H steps
+
     def global_params(self, params):
         return global_tree(self.template, [(self.pieces, self.store.global_values)])
 
@@ -218,11 +214,8 @@ class Quorum(Strategy):
         return global_tree(template, [(partition(template, 1)[0], arrays["strategy"]["global"])])
 
     def state(self) -> dict:
-        return {"global": self.store.global_values, "outer": self.store.outer_state,
-                # keys that are not numbers: a checkpoint would read those back as a list
-                "anchors": {f"v{v}": a for v, a in self.anchors.items()}, "rounds": self.rounds.state()}
+        return {"global": self.store.global_values, "outer": self.store.outer_state, "rounds": self.rounds.state()}
 
     def load_state(self, state: dict):
         self.store.global_values, self.store.outer_state = state["global"], state["outer"]
-        self.anchors = {int(v[1:]): a for v, a in state.get("anchors", {}).items()}
         self.rounds.load_state(state["rounds"])

@@ -541,9 +541,8 @@ class Run:
         global_loss = self.workers.eval_params(self.global_params(), self.eval_batches)
         modelled = self.compute_s + ledger.comm_s
         idle = self.pacing.idle_fraction()
-        period = self.strategy.sync_every
         self._report("on_val_loss_report", {
-            "step": self.steps_done, "outer_step": -(-self.steps_done // period) if period else None,
+            "step": self.steps_done, "outer_step": self.strategy.outer_steps_done(self.steps_done),
             "tokens": self.tokens(), "examples": self.examples(),
             "eval_loss": global_loss, "eval_loss_workers": self._by_slot(worker_losses),
             "train_loss": None if train_losses is None else mean_of_numbers(train_losses),
@@ -564,7 +563,7 @@ class Run:
             if spent["busy_s"] else 1.0, **spent, "flops_per_token": self.flops_per_token, "peak_gflops": self.peak_gflops,
             "wall_s": time.time() - self.wall_start, "time": time.time(),
             "peak_memory_bytes": int(self.peak_memory * 1e6), "workers_per_process": self.comm.n_local,
-            "strategy": c.strategy, "workers": c.workers, "sync_every": period, "link": ledger.link.name,
+            "strategy": c.strategy, "workers": c.workers, "sync_every": self.strategy.sync_every, "link": ledger.link.name,
             "strategy_options": self.strategy.options(),
         })
 
