@@ -30,7 +30,7 @@ STRATEGIES = {
     "diloco": dict(strategy="diloco"),
     "sparseloco": dict(strategy="sparseloco"),
     "desloc": dict(strategy="desloc"),
-    "local-adam": dict(strategy="desloc", first_moment_sync_every=50, second_moment_sync_every=50),  # = Kx, its default
+    "local-adam": dict(strategy="desloc", first_moment_sync_every=50, second_moment_sync_every=50),  # Ku = Kv = Kx
     "noloco": dict(strategy="noloco"),
     "fedavg": dict(strategy="fedavg"),
     "streaming-int4": dict(strategy="diloco", fragments=5, overlap_steps=1, compress="int4"),
@@ -86,6 +86,37 @@ def main():
     for name, problem in problems.items():
         print(f"\n{name}: {problem.about}; target eval loss {problem.target_loss}\n{scorecard.table(cards[name])}\n")
         scorecard.plot(cards[name], Path(args.out) / f"{name}.png", title=f"{name}: {problem.about}")
+    print(f"summary: {summary_plot(cards, Path(args.out) / 'summary.png')}")
+
+
+def summary_plot(cards: dict, out: Path) -> Path:
+    """Every run's final eval loss against the bytes each worker sent (top) and the modelled time
+    (bottom), a column per problem: the strategies' trade-off at a glance, a labelled point each."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from mlx_diloco.plot import save_figure
+
+    cards = {name: runs for name, runs in cards.items() if runs}  # (a paced strategy alone skips equal speeds)
+    fig, axes = plt.subplots(2, len(cards), figsize=(5.5 * len(cards), 8), squeeze=False)
+    for column, (name, runs) in enumerate(cards.items()):
+        for row, (key, what) in enumerate([("bytes_sent_per_worker", "bytes sent per worker"),
+                                           ("modelled_s", f"modelled time (s) on {runs[0]['link']}")]):
+            ax = axes[row][column]
+            for card in runs:
+                ax.scatter(card[key], card["final_eval_loss"], s=18)
+                ax.annotate(card["label"], (card[key], card["final_eval_loss"]), fontsize=7,
+                            xytext=(3, 3), textcoords="offset points")
+            ax.set_xscale("log")
+            if key == "modelled_s":  # seconds as numbers at 1, 2, 5 x 10^k, not powers of ten
+                ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
+                ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+                ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.set_xlabel(what + ", log scale")
+            ax.set_ylabel("final eval loss (global model)")
+            ax.grid(alpha=0.3)
+        axes[0][column].set_title(name)
+    return save_figure(fig, out, "every strategy at its published defaults: lower left is better")
 
 
 if __name__ == "__main__":

@@ -67,8 +67,11 @@ def plot_runs(run_dirs, out: Path, title: str = None) -> Path:
 def loss_curves(ax, curves, key: str, name: str):
     """Eval loss against metrics `key` (axis label `name`), one curve per (label, metrics rows);
     modelled time and bytes get a spread axis (they span decades from 0)."""
-    for name_of_run, rows in curves:
-        ax.plot([r[key] for r in rows], [r["eval_loss"] for r in rows], marker=".", label=name_of_run)
+    import matplotlib.pyplot as plt
+    colours = len(plt.rcParams["axes.prop_cycle"])
+    for i, (name_of_run, rows) in enumerate(curves):  # once the colours come round again, dashed lines
+        ax.plot([r[key] for r in rows], [r["eval_loss"] for r in rows], marker=".", label=name_of_run,
+                linestyle="-" if i < colours else "--")
     ax.set_xlabel(name)
     ax.grid(alpha=0.3)
     if key in ("modelled_time_s", "bytes_sent_per_worker"):

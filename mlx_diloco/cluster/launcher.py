@@ -113,7 +113,8 @@ RESTARTS = ("membership_change", "restarted")  # events whose total_s is time th
 
 def sync_grid(config: dict) -> int:
     """Every how many steps the job's workers sync, with the strategy's default H when not given
-    (0: at steps not known in advance, or every step: a blocked worker is in an exchange)."""
+    (0: every step, or when workers report (quorum rounds): a blocked worker is in an exchange).
+    Streaming fragments' staggered syncs are not on it: a worker blocked in one shows as waiting."""
     from ..strategies import make_strategy  # (MLX, on call: the launcher's planning imports without it)
     c = TrainConfig.from_dict(config)
     strategy = make_strategy(c.strategy, c.strategy_options)

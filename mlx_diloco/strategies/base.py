@@ -123,7 +123,8 @@ class Strategy:
         return 0
 
     def outer_steps_done(self, steps: int):
-        """Outer steps (syncs) after `steps` inner steps, for the metrics (None: it has none)."""
+        """Outer steps (syncs) done after `steps` inner steps and their `after_step`, for the metrics
+        (None: it has none)."""
         return -(-steps // self.sync_every) if self.sync_every else None
 
     def label(self) -> str:

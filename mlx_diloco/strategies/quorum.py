@@ -26,8 +26,8 @@ every process of a ring: at an outer step every worker takes part in one all-red
 not applied with weight 0. With equal speeds everyone reports at once, and this is DiLoCo.
 
 Where this departs from the paper: its grace window adapts, here it is a fixed number of ticks; its
-merge weighs each learner by tokens x tokens per step (a batch's tokens are the same for every
-worker, so that is inner steps here), the staleness factor is ours; and the whole model syncs at
+merge weighs each learner by its tokens times its tokens per step (with the same batch for every
+worker, inner steps here), the staleness factor is ours; and the whole model syncs at
 once, not fragment by fragment.
 """
 
@@ -46,7 +46,8 @@ from .fragments import OuterStore, gather, global_tree, partition, scatter
 class Rounds:
     """Who reports when, and which workers an outer step applies, from the inner steps each job
     worker has taken (`taken`, given at every tick in order): plain integers, so every process
-    agrees. `version[w]`: the outer steps done when w's round began; `base[w]`: its inner steps then; `reported[w]`: the tick it reported, or -1."""
+    agrees. `version[w]`: the outer steps done when w's round began; `base[w]`: its inner steps
+    then; `reported[w]`: the tick it reported, or -1."""
 
     def __init__(self, workers: int, H: int, K: int, grace: int):
         self.M, self.H, self.K, self.grace = workers, H, K, grace
