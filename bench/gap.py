@@ -40,19 +40,50 @@ def points() -> list:
     return pairs
 
 
+def setting(card: dict) -> tuple:
+    """The (model, steps, workers) a card's run belongs to."""
+    return card["point"]["model"], card["point"]["steps"], card["point"]["workers"]
+
+
+def pairs(cards: list) -> list:
+    """(DDP card, DiLoCo card) for each setting that has both."""
+    ddp = {setting(c): c for c in cards if c["strategy"] == "ddp"}
+    return [(ddp[setting(c)], c) for c in cards if c["strategy"] == "diloco" and setting(c) in ddp]
+
+
 def gap_table(cards: list) -> str:
     rows = ["| model | steps | workers | DDP (AdamW at M=1) | DiLoCo H=50 | gap | sent/worker DiLoCo / DDP |",
             "|---|---|---|---|---|---|---|"]
-    key = lambda c: (c["point"]["model"], c["point"]["steps"], c["point"]["workers"])  # noqa: E731
-    ddp = {key(c): c for c in cards if c["strategy"] == "ddp"}
-    for c in cards:
-        if c["strategy"] == "diloco" and key(c) in ddp:
-            d = ddp[key(c)]
-            extra = "" if c["point"].get("outer_lr") is None else f" (lr {c['point']['outer_lr']}, mom {c['point']['outer_momentum']})"
-            rows.append(f"| {key(c)[0]} | {key(c)[1]:,} | {key(c)[2]} | {d['final_eval_loss']:.4f} | "
-                        f"{c['final_eval_loss']:.4f}{extra} | {c['final_eval_loss'] / d['final_eval_loss'] - 1:+.1%} | "
-                        f"{c['bytes_sent_per_worker'] / 1e6:.1f} MB / {d['bytes_sent_per_worker'] / 1e6:.0f} MB |")
+    for d, c in pairs(cards):
+        model, steps, workers = setting(c)
+        extra = "" if c["point"].get("outer_lr") is None else f" (lr {c['point']['outer_lr']}, mom {c['point']['outer_momentum']})"
+        rows.append(f"| {model} | {steps:,} | {workers} | {d['final_eval_loss']:.4f} | "
+                    f"{c['final_eval_loss']:.4f}{extra} | {c['final_eval_loss'] / d['final_eval_loss'] - 1:+.1%} | "
+                    f"{c['bytes_sent_per_worker'] / 1e6:.1f} MB / {d['bytes_sent_per_worker'] / 1e6:.0f} MB |")
     return "\n".join(rows)
+
+
+def gap_plot(cards: list, out: Path) -> Path:
+    """A panel per setting: DDP's and DiLoCo's eval loss against the tokens all workers read."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from mlx_diloco.plot import save_figure
+    from mlx_diloco.training.metrics import MetricsLog
+
+    both = pairs(cards)
+    fig, axes = plt.subplots(1, len(both), figsize=(4 * len(both), 3.6), squeeze=False)
+    for ax, (d, c) in zip(axes[0], both):
+        for card, name in ((d, "AdamW" if setting(d)[2] == 1 else "DDP"), (c, "DiLoCo H=50")):
+            rows = [r for r in MetricsLog.read(card["run_dir"]) if r.get("eval_loss") is not None][1:]  # from step 50
+            ax.plot([r["tokens"] for r in rows], [r["eval_loss"] for r in rows], marker=".", label=name)
+        model, steps, workers = setting(c)
+        ax.set_title(f"{model}, {steps:,} steps, M={workers}: {c['final_eval_loss'] / d['final_eval_loss'] - 1:+.1%}")
+        ax.set_xlabel("tokens (all workers)")
+        ax.set_ylabel("eval loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return save_figure(fig, out, "DiLoCo's gap to DDP by model and steps (losses compare within a panel)")
 
 
 def main():
@@ -67,6 +98,7 @@ def main():
     table = gap_table(cards)
     (Path(args.out) / "gap.md").write_text(table + "\n")
     print(table)
+    print(f"plot: {gap_plot(cards, Path(args.out) / 'gap.png')}")
 
 
 if __name__ == "__main__":
