@@ -68,20 +68,18 @@ def gap_plot(cards: list, out: Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from mlx_diloco.plot import save_figure
+    from mlx_diloco.plot import loss_curves, save_figure
     from mlx_diloco.training.metrics import MetricsLog
 
     both = pairs(cards)
     fig, axes = plt.subplots(1, len(both), figsize=(4 * len(both), 3.6), squeeze=False)
     for ax, (d, c) in zip(axes[0], both):
-        for card, name in ((d, "AdamW" if setting(d)[2] == 1 else "DDP"), (c, "DiLoCo H=50")):
-            rows = [r for r in MetricsLog.read(card["run_dir"]) if r.get("eval_loss") is not None][1:]  # from step 50
-            ax.plot([r["tokens"] for r in rows], [r["eval_loss"] for r in rows], marker=".", label=name)
+        curves = [(name, MetricsLog.read(card["run_dir"])[1:])  # from the first evaluation after step 0
+                  for card, name in ((d, "AdamW" if setting(d)[2] == 1 else "DDP"), (c, "DiLoCo H=50"))]
+        loss_curves(ax, curves, "tokens", "tokens (all workers)")
         model, steps, workers = setting(c)
         ax.set_title(f"{model}, {steps:,} steps, M={workers}: {c['final_eval_loss'] / d['final_eval_loss'] - 1:+.1%}")
-        ax.set_xlabel("tokens (all workers)")
         ax.set_ylabel("eval loss")
-        ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     return save_figure(fig, out, "DiLoCo's gap to DDP by model and steps (losses compare within a panel)")
 

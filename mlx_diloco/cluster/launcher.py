@@ -118,7 +118,7 @@ def sync_grid(config: dict) -> int:
     from ..strategies import make_strategy  # (MLX, on call: the launcher's planning imports without it)
     c = TrainConfig.from_dict(config)
     strategy = make_strategy(c.strategy, c.strategy_options)
-    return strategy.sync_every if strategy.syncs_every_h else 0  # quorum rounds: when K workers report
+    return strategy.sync_every if strategy.syncs_every_h else 0
 
 
 class JobFailed(Exception):
