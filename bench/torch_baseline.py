@@ -2,6 +2,7 @@
 
     pip install -e '.[bench]'        # torch==2.13.0, an optional extra (pyproject.toml: which build)
     python bench/torch_baseline.py [--model small] [--batch-size 16] [--seq-len 64] [--steps 20]
+                                   [--device cpu|cuda|mps] [--precision fp32|bf16]
 
 One worker's inner step as a PyTorch user would write it, the same computation as the project's
 (`models/gpt.py`, `strategies/base.py`'s default_inner_optimizer, `training/workers.py`): nanoGPT's
@@ -10,7 +11,8 @@ and linears without bias as the preset says, the preset's activation, a final La
 tied to the token embedding), mean cross-entropy on fp32 logits, global-norm clipping at grad_clip,
 torch.optim.AdamW (bias correction, betas, eps 1e-8, decoupled weight decay on every parameter) with
 the learning rate warmed up linearly then decayed by a cosine to a tenth. PyTorch's own defaults
-otherwise: its thread count, its AdamW implementation, F.scaled_dot_product_attention.
+otherwise: its thread count, its AdamW implementation, F.scaled_dot_product_attention. On any
+device torch has (`--device`); bf16 as PyTorch users train in it, under autocast (fp32 weights).
 
 It imports neither MLX nor the project's model code, only the run's settings (config.py, MLX-free):
 tests/test_torch_baseline.py loads the same weights into both and checks that losses and parameters
@@ -123,10 +125,11 @@ def learning_rate(config: TrainConfig, update: int) -> float:
 
 
 class TrainStep:
-    """One worker's inner step: forward, backward, clipping, AdamW at the scheduled learning rate."""
+    """One worker's inner step: forward, backward, clipping, AdamW at the scheduled learning rate;
+    with `autocast` (a dtype), the forward pass under torch.autocast."""
 
-    def __init__(self, model: GPT, config: TrainConfig):
-        self.model, self.config, self.updates = model, config, 0
+    def __init__(self, model: GPT, config: TrainConfig, autocast=None):
+        self.model, self.config, self.updates, self.autocast = model, config, 0, autocast
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate(config, 0),
                                            betas=(config.beta1, config.beta2), eps=1e-8,
                                            weight_decay=config.weight_decay)
@@ -134,7 +137,8 @@ class TrainStep:
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> float:
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(self.config, self.updates)
-        logits = self.model(x)
+        with torch.autocast(x.device.type, dtype=self.autocast, enabled=self.autocast is not None):
+            logits = self.model(x)
         loss = F.cross_entropy(logits.float().flatten(0, -2), y.flatten())
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -145,7 +149,8 @@ class TrainStep:
         return loss.item()
 
 
-def make_setup(model_name: str, batch_size: int, seq_len: int, seed: int = 0):
+def make_setup(model_name: str, batch_size: int, seq_len: int, seed: int = 0, device: str = "cpu",
+               precision: str = "fp32"):
     """A ready-to-step closure: the baseline's step on one fixed batch of random tokens (the
     tokens' values do not change its cost), with the trainer's settings for everything else."""
     torch.manual_seed(seed)
@@ -154,18 +159,19 @@ def make_setup(model_name: str, batch_size: int, seq_len: int, seed: int = 0):
         raise ConfigError(f"seq-len {seq_len} is longer than {model_name}'s context; pass --seq-len "
                           f"{spec['context_length']} or less")
     config = TrainConfig.from_dict(dict(model=model_name, workers=1, batch_size=batch_size, seq_len=seq_len))
-    step = TrainStep(GPT(**spec), config)
-    tokens = torch.randint(spec["vocab_size"], (batch_size, seq_len + 1))
+    step = TrainStep(GPT(**spec).to(device), config, autocast=torch.bfloat16 if precision == "bf16" else None)
+    tokens = torch.randint(spec["vocab_size"], (batch_size, seq_len + 1), device=device)
     x, y = tokens[:, :-1], tokens[:, 1:]
-    return lambda: step(x, y)
+    return lambda: step(x, y)  # (its loss.item() waits for the device)
 
 
-def serve(step):
-    """bench/throughput.py's step process: say 'ready' and how PyTorch runs, then one step per line read."""
-    print(f"ready PyTorch {torch.__version__.split('+')[0]}, {torch.get_num_threads()} threads", flush=True)
-    for _ in sys.stdin:
-        step()
-        print("done", flush=True)
+def label(device: str) -> str:
+    version = torch.__version__.split('+')[0]
+    return f"PyTorch {version}, {torch.get_num_threads()} threads" if device == "cpu" else f"PyTorch {version}, {device}"
+
+
+def peak_bytes(device: str):
+    return torch.cuda.max_memory_allocated() if device == "cuda" else None  # (the CPU's allocator counts none)
 
 
 def main():
@@ -174,14 +180,17 @@ def main():
     p.add_argument("--batch-size", type=int, default=16, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     p.add_argument("--steps", type=int, default=20, help="timed steps (after 2 of warm-up)")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, mps")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: under torch.autocast")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     try:
-        step = make_setup(args.model, args.batch_size, args.seq_len)
+        step = make_setup(args.model, args.batch_size, args.seq_len, device=args.device, precision=args.precision)
     except ConfigError as e:
         sys.exit(f"error: {e}")
     if args.serve:
-        return serve(step)
+        from step_server import serve
+        return serve(step, label(args.device), lambda: peak_bytes(args.device))
     step(), step()
     times = []
     for _ in range(args.steps):
@@ -189,7 +198,7 @@ def main():
         step()
         times.append(time.perf_counter() - t)
     tokens = args.batch_size * args.seq_len
-    print(f"PyTorch {torch.__version__}, {torch.get_num_threads()} threads, model {args.model}, "
+    print(f"{label(args.device)}, {args.precision}, model {args.model}, "
           f"{args.batch_size}x{args.seq_len} tokens a step: {tokens / min(times):,.0f} tokens/s best, "
           f"{tokens / statistics.median(times):,.0f} median of {args.steps} steps")
 

@@ -335,6 +335,8 @@ def print_summary(s):
     if s.get("peak_memory_bytes"):
         print(f"peak memory {human_bytes(s['peak_memory_bytes'])} per process ({s['workers_per_process']} "
               f"worker{'s' if s['workers_per_process'] > 1 else ''} each)")
+    if s.get("kernels"):
+        print(f"ran on {s['kernels']}; inner step: {s['inner_step']}")
 
 
 def trained_on(s: dict) -> str:

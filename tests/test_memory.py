@@ -166,7 +166,7 @@ def test_the_inner_update_runs_a_group_at_a_time_with_the_same_result():
         model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])
         model.set_dtype(mx.bfloat16)
         workers = Workers(model, 2, config, default_inner_optimizer(config), loss=squared_error)
-        workers.update_group = group
+        workers.update_group, workers.whole_step = group, group >= workers.n_elements
         workers.step(x, y, Strategy(), 1)  # creates the moments
         backward = above(lambda: workers._gradients(x, y))
         step = above(lambda: workers.step(x, y, Strategy(), 2))
@@ -174,6 +174,27 @@ def test_the_inner_update_runs_a_group_at_a_time_with_the_same_result():
     (whole, reference), (grouped, result) = runs.values()
     assert all(k == l and mx.array_equal(a, b).item() for (k, a), (l, b) in zip(reference, result))
     assert whole > 1.5 and grouped < 1.1
+
+
+@pytest.mark.parametrize("limit_gb, whole", [(20, True), (0.15, False)])
+def test_the_whole_step_is_compiled_where_it_fits_in_memory(limit_gb, whole):
+    """The first step measures the backward pass's peak; the whole step runs from then on when that
+    peak and a second copy of the parameters and moments fit in MLX's memory limit (8 layers of
+    1024 x 1024 in bf16, 2 replicas: 16.8M parameters, 168 MB of parameters and fp32 moments);
+    else the update goes a group at a time, with the same numbers."""
+    from mlx_diloco.strategies.base import Strategy, default_inner_optimizer
+    from mlx_diloco.training.workers import Workers
+    config = tiny_config()
+    x, y = mx.random.normal((2, 16, 1024)), mx.random.normal((2, 16, 1024))
+    mx.random.seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])
+    model.set_dtype(mx.bfloat16)
+    workers = Workers(model, 2, config, default_inner_optimizer(config), loss=squared_error)
+    with memory_limit(limit_gb):
+        for step in (1, 2):
+            workers.step(x, y, Strategy(), step)
+    assert workers.whole_step is whole
+    assert ("compiled whole step" in workers.describe()) is whole
 
 
 def test_the_offloaded_global_model_is_built_one_fragments_values_at_a_time():

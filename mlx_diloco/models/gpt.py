@@ -12,7 +12,7 @@ import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 
 from ..options import from_dict
-from .fastmath import softmax
+from .kernels import causal_attention
 
 
 @dataclass
@@ -45,10 +45,7 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = mx.split(self.c_attn(x), 3, axis=-1)
         q, k, v = (t.reshape(B, T, self.n_head, -1).transpose(0, 2, 1, 3) for t in (q, k, v))
-        # Plain attention (not mx.fast) so that the model can be vmapped over replicas.
-        scores = (q @ k.transpose(0, 1, 3, 2)) * (q.shape[-1] ** -0.5)
-        causal = mx.triu(mx.full((T, T), -mx.inf, dtype=scores.dtype), k=1)
-        y = softmax(scores + causal, axis=-1) @ v
+        y = causal_attention(q, k, v, scale=q.shape[-1] ** -0.5)
         return self.c_proj(y.transpose(0, 2, 1, 3).reshape(B, T, C))
 
 

@@ -8,10 +8,13 @@ treatment (on the CPU only: it changes the module's function for every model of 
 in this process, and leaves fp32 inputs as they are).
 """
 
+import math
 import sys
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from .kernels import paths
 
 
 def widened(w: mx.array) -> mx.array:
@@ -70,8 +73,19 @@ def round_bf16_stochastically(x: mx.array) -> mx.array:
     update smaller than bf16's resolution still moves the weight on average. Rounded to nearest,
     those updates are lost: small GPT, DiLoCo, 500 steps, eval loss +1.1% against fp32
     (docs/memory.md)."""
-    noise = mx.random.randint(0, 1 << 16, x.shape, dtype=mx.uint32)
-    return ((x.view(mx.uint32) + noise) & 0xFFFF0000).view(mx.float32).astype(mx.bfloat16)
+    return ((x.view(mx.uint32) + dither16(x.shape)) & 0xFFFF0000).view(mx.float32).astype(mx.bfloat16)
+
+
+def dither16(shape) -> mx.array:
+    """Uniform noise in [0, 2**16), uint32, from a counter-based generator: each position hashed
+    (murmur3's 32-bit finalizer) with a seed drawn from MLX's random state, so that a run
+    repeats. Elementwise, it fuses into a compiled update; MLX's randint draws 32 random bits
+    a value (threefry), which on the CPU cost 4x this (bench/precision.py)."""
+    h = mx.arange(math.prod(shape), dtype=mx.uint32).reshape(shape)
+    h = h + mx.random.randint(0, 1 << 30, (), dtype=mx.uint32) * 0x9E3779B9
+    h = (h ^ (h >> 16)) * 0x7FEB352D
+    h = (h ^ (h >> 15)) * 0x846CA68B
+    return (h ^ (h >> 16)) >> 16
 
 
 def fp32_attention(attention):
@@ -89,7 +103,7 @@ def to_bf16(model: nn.Module) -> nn.Module:
     """Weights in bf16; on the CPU, linear layers and mlx-lm's attention multiply in fp32 (and the
     output head returns fp32 logits)."""
     model.set_dtype(mx.bfloat16)
-    if mx.default_device() != mx.cpu:
+    if not paths().fp32_matmul:
         return model
     for path, m in model.named_modules():
         if type(m) is nn.Linear:

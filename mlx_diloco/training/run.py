@@ -30,6 +30,7 @@ from ..exchange.worker_axis import flatten_workers, unflatten
 from ..models.adapters import ADAPTERS, save_adapters
 from ..models.checkpointing import checkpoint_blocks
 from ..models.finetune import ADAPTER_TYPES, adapter_config, apply_fine_tune, is_quantized, trainable_count
+from ..models.kernels import paths as kernel_paths
 from ..models.precision import to_bf16
 from ..memory import model_shape
 from ..models.zoo import count_parameters
@@ -601,7 +602,8 @@ class Run:
                 "utilisation": last.get("utilisation"), "link": self.ledger.link.describe(),
                 **{k: last.get(k) for k in ("measured_utilisation", "busy_s", "link_s", "straggler_s", "mfu", "flops_per_token",
                                             "peak_gflops")},
-                "peak_memory_bytes": peak, "workers_per_process": self.comm.n_local}
+                "peak_memory_bytes": peak, "workers_per_process": self.comm.n_local,
+                "kernels": kernel_paths().describe(), "inner_step": self.workers.describe()}
 
     # ------------------------------------------------------------ checkpoints
     def state(self) -> tuple:

@@ -1,16 +1,19 @@
 """The model replicas one process trains.
 
-Parameters are stacked on a leading worker axis; one `mx.vmap`-ed step computes every
-replica's loss and gradients at once, and the inner AdamW (elementwise) updates them all.
-Anything that couples parameters, like global-norm clipping, is computed per replica.
+Parameters are stacked on a leading worker axis. Several replicas step at once through `mx.vmap`:
+the gradients of the vmapped losses' sum are each replica's own, and MLX's fused kernels fold the
+replica axis into the batch axis (models/kernels.py); one replica steps without vmap, as a plain
+MLX script does. The inner AdamW (elementwise) updates them all; anything that couples
+parameters, like global-norm clipping, is computed per replica.
 
 The inner step is `mx.compile`d: traced once, then replayed with its elementwise chains fused
 (MLX's guidance: a pure function of its inputs; the optimizer state and the random state go in
-and out). A model whose update is one group (UPDATE_GROUP) steps as one compiled function,
-forward, backward, clipping and update, evaluated at once. What stays outside, and why:
+and out). Forward, backward, clipping and update are one compiled function, evaluated at once,
+whenever memory allows (`fits_whole_step`: measured at the first step). What stays outside, and why:
 - a strategy's reduce_gradients that changes the gradients (DDP's mean is a collective, which
   cannot run inside a graph): the compiled gradients go to it, and its result to the compiled update;
-- a larger model's update, evaluated a group at a time for memory (see UPDATE_GROUP);
+- an update that would not fit beside the step's activations: the gradients are evaluated first,
+  then the update a group of parameters at a time (UPDATE_GROUP);
 - checkpointed models' passes (models/checkpointing.py), which evaluate block by block.
 """
 
@@ -22,15 +25,18 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from ..config import ConfigError
 from ..data.jsonl import IGNORE
 from ..exchange.worker_axis import placeholders, replica, stack_copies
-from ..models import fastmath
+from ..models.kernels import replica_axis, token_cross_entropy
 from ..models.checkpointing import block_by_block, blockwise_value_and_grad
 
 
-# Elements (over every local replica) whose inner update is evaluated together. MLX's CPU allocates
-# an operation's output when it is queued, so evaluating a whole model's update at once holds its
-# old and new weights and moments, plus every temporary, at the same time (llama-150m, bf16: the
-# update's peak 3.41 GB, 2.57 in groups; bench/memory_phases.py).
+# Elements (over every local replica) whose inner update is evaluated together when the whole update
+# does not fit at once. MLX's CPU allocates an operation's output when it is queued, so evaluating a
+# whole model's update at once holds its old and new weights and moments, plus every temporary, at
+# the same time (llama-150m, bf16: the update's peak 3.41 GB, 2.57 in groups; bench/memory_phases.py).
 UPDATE_GROUP = 1 << 24
+# The share of MLX's memory limit that the whole compiled step may take (the rest: what the run
+# holds beside the step, the evaluation, the allocator's rounding).
+WHOLE_STEP_SHARE = 0.9
 
 
 def sorted_leaves(*trees) -> list:
@@ -78,14 +84,14 @@ def clip_factor(sq: mx.array, max_norm: float) -> mx.array:
 
 def cross_entropy(model, x, y):
     """The default loss: mean cross-entropy of the model's logits (language models, classifiers)."""
-    return fastmath.cross_entropy(model(x).astype(mx.float32), y)
+    return token_cross_entropy(model(x), y).mean()
 
 
 def masked_cross_entropy(model, x, y):
     """The loss of masked data (JSONL: data/jsonl.py): the mean cross-entropy over the targets that are
     not IGNORE (padding, and prompts under mask-prompt), as mlx-lm's default_loss."""
     trained = y != IGNORE
-    ce = nn.losses.cross_entropy(model(x).astype(mx.float32), mx.where(trained, y, 0)) * trained
+    ce = token_cross_entropy(model(x), mx.where(trained, y, 0)) * trained
     return ce.sum() / mx.maximum(trained.sum(), 1)
 
 
@@ -111,6 +117,7 @@ class Workers:
     model's first step shows that MLX cannot vmap it: then say so once and go one by one).
     `masked`: the data's targets are masked (IGNORE), and the default loss leaves those out."""
     update_group = UPDATE_GROUP
+    whole_step = None  # the whole step compiled as one (None: decided at the first step, fits_whole_step)
 
     def __init__(self, model: nn.Module, n_local: int, config, optimizer: optim.Optimizer, clip: bool = True,
                  vectorize=True, loss=None, masked=False, log=print):
@@ -129,8 +136,10 @@ class Workers:
             self._grad_fn = blockwise_value_and_grad(model, self.loss_fn)
         else:
             self._grad_fn = mx.value_and_grad(self.loss)
-        if vectorize:
-            self._use(mx.vmap(self._grad_fn), mx.vmap(self.loss, in_axes=(0, None, None)))
+        if vectorize and not self.checkpointed:
+            self._use(self._vectorized, self._eval_vectorized)
+        elif vectorize:
+            self._use(mx.vmap(self._grad_fn), self._eval_vectorized)
         else:
             self._use(self._sequential(self._grad_fn), self._eval_one_by_one)
         self._probe = vectorize == "auto"
@@ -156,6 +165,27 @@ class Workers:
     def loss(self, params, x, y):
         self.model.update(params)
         return self.loss_fn(self.model, x, y)
+
+    def _vectorized(self, params, x, y):
+        """Every replica's loss and gradients: without vmap for one replica; for several, the
+        gradients of the sum of the vmapped losses (each replica's own: the replicas do not mix),
+        traced with the fused kernels folding the replica axis into the batch (models/kernels.py)."""
+        if self.n_local == 1:
+            loss, grads = self._grad_fn(replica(params), x[0], y[0])
+            return loss[None], tree_map(lambda g: g[None], grads)
+
+        def total(params, x, y):
+            with replica_axis():
+                losses = mx.vmap(self.loss)(params, x, y)
+            return losses.sum(), losses
+        (_, losses), grads = mx.value_and_grad(total)(params, x, y)
+        return losses, grads
+
+    def _eval_vectorized(self, params, x, y):
+        if self.n_local == 1:
+            return self.loss(replica(params), x, y)[None]
+        with replica_axis():
+            return mx.vmap(self.loss, in_axes=(0, None, None))(params, x, y)
 
     def _sequential(self, grad_fn):
         """The same computation without vmap: one replica after another."""
@@ -201,6 +231,23 @@ class Workers:
                      "training its replicas one after another")
             self._use(self._sequential(self._grad_fn), self._eval_one_by_one)
             return self._compiled_grads(self.params, x, y)
+
+    def describe(self) -> str:
+        """How the step runs (the run's summary says it)."""
+        if self.checkpointed:
+            return "checkpointed blocks, op by op"
+        how = {True: "compiled whole step", False: f"update in groups of {self.update_group:,} elements (memory)",
+               None: "not stepped yet"}[self.whole_step]
+        replicas = "vmapped replicas" if self._grads == self._vectorized and self.n_local > 1 else (
+            "one replica" if self.n_local == 1 else "replicas one after another")
+        return f"{replicas}, {how}"
+
+    def fits_whole_step(self, backward_peak: int) -> bool:
+        """Whether the whole compiled step fits in MLX's memory limit: beside what the backward pass
+        took at its peak (measured), it holds a second copy of the parameters and optimizer state,
+        the update's new values, until the old ones are released."""
+        update_bytes = sum(a.nbytes for _, a in tree_flatten((self.params, self.optimizer.state)))
+        return backward_peak + update_bytes <= WHOLE_STEP_SHARE * mx.get_memory_limit()
 
     def _clip_and_update(self, params, grads, state, scale):
         """Pure function of its inputs (for mx.compile): the optimizer state goes in and out."""
@@ -258,14 +305,16 @@ class Workers:
         """One inner step of every local replica (of those `active` marks, if given); `step` is
         the job-wide step number (1-based). The strategy's after_step (the outer step) is left
         to the caller."""
-        # The whole step at once when the update is one group anyway; a larger model's gradients are
-        # evaluated first, and its update a group at a time (UPDATE_GROUP).
-        if self.n_elements <= self.update_group and not self.checkpointed and not self._probe and active is None:
+        # The whole step at once when it fits (decided at the first step, which measures the backward
+        # pass); else the gradients are evaluated first, and the update a group at a time.
+        if self.whole_step and not self.checkpointed and not self._probe and active is None:
             losses, grads = self._step_whole(x, y, strategy, step)
             if grads is None:
                 return losses
         else:
             losses, grads = self._gradients(x, y)  # evaluated: the activations are gone before the update
+            if self.whole_step is None and not self.checkpointed:
+                self.whole_step = self.fits_whole_step(mx.get_peak_memory())
             grads = strategy.reduce_gradients(grads, step)
         scale = clip_scale(grads, self.config.grad_clip, self.update_group) if self.clip else mx.ones(self.n_local)
         if active is None:
