@@ -27,6 +27,8 @@ lora: the project's LoRA step (mlx-lm's adapters, masked loss, as `sim --fine-tu
 causes: the project's one-worker step with each part that issue 35 changed put back as it was
   (unfused attention, norms and loss; the update a group at a time; MLX's random bits for bf16's
   rounding), and the step at the commit before (.base/, where bench/gpu_speed.sh puts it).
+pytorch (issue 22): PyTorch's one worker of batch B against the project's --vs-pytorch N workers of
+  batch B each, in the processes `sim` runs them in by default.
 processes (issue 12; a CPU's): one worker with an N-times batch; the simulator's N workers in K
   processes (`sim --processes K`, joined by MLX's ring over loopback, cores/K BLAS threads each); K = 2
   with every process using all the cores (no pinning: the wrong setting).
@@ -341,6 +343,26 @@ def device_name() -> str:
     return f"{mx.default_device()}, {info.get('device_name', info.get('architecture', '?'))}"
 
 
+def pytorch_table(args, cores: int):
+    """PyTorch's step of one worker of batch B against the project's N workers of batch B, in the
+    processes `sim` picks by default (issue 22's comparison)."""
+    from mlx_diloco.training.processes import choose_processes
+    B, T = args.batch_size, args.seq_len
+    setups = {"torch": StepProcess([BENCH / "torch_baseline.py", "--serve", "--model", args.model, "--device",
+                                    torch_device(), "--batch-size", B, "--seq-len", T], env=torch_env())}
+    labels = {}
+    for n in args.vs_pytorch:
+        K = choose_processes(n)
+        setups[n] = (StepProcess([__file__, "--project", args.model, "fp32", n, B, T, 0]) if K == 1 else
+                     ProcessGroup(args.model, n, B, T, K, max(1, cores // K)))
+        labels[n] = f"sim {n} worker{'s' if n > 1 else ''}, {K} process{'es' if K > 1 else ''}"
+    results = measured(setups, args.steps)
+    labels["torch"] = f"{setups['torch'].label}, 1 worker"
+    print_rows(f"model {args.model} fp32, B={B}, T={T}, {cores} cores; {args.steps} interleaved steps each", results,
+               labels, {k: (1 if k == "torch" else k) * B * T for k in results},
+               {k: [("vs PyTorch", "torch")] for k in results})
+
+
 def processes_table(args, cores: int):
     B, T = args.batch_size, args.seq_len
     setups, labels = {}, {}
@@ -375,7 +397,9 @@ def main():
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8], help="the processes table's worker counts N")
     p.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4], help="the processes table's process counts K")
-    p.add_argument("--tables", nargs="+", choices=["step", "causes", "lora", "processes"], default=["step"])
+    p.add_argument("--vs-pytorch", type=int, nargs="+", default=[1, 4, 8],
+                   help="the pytorch table's worker counts N, in sim's default processes")
+    p.add_argument("--tables", nargs="+", choices=["step", "causes", "lora", "pytorch", "processes"], default=["step"])
     p.add_argument("--project", nargs="+", help=argparse.SUPPRESS)
     p.add_argument("--ring-child", nargs=5, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -394,8 +418,10 @@ def main():
             causes_table(args, precision)
         if "lora" in args.tables:
             lora_table(args, precision)
+    from mlx_diloco.training.processes import usable_cores
+    if "pytorch" in args.tables and torch_device():
+        pytorch_table(args, usable_cores())
     if "processes" in args.tables:
-        from mlx_diloco.training.processes import usable_cores
         processes_table(args, usable_cores())
 
 

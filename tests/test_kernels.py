@@ -134,3 +134,36 @@ def test_a_weight_shared_by_the_replicas_is_not_folded():
 def test_the_unfused_path_leaves_mlx_as_it_is():
     with kernels.chosen(fused=False), replica_axis():
         assert mx.fast.scaled_dot_product_attention is kernels.FAST["scaled_dot_product_attention"]
+
+
+def test_the_run_summary_says_which_paths_ran(tmp_path):
+    from mlx_diloco.exchange.comm import SimCommunicator
+    from mlx_diloco.training.run import Run
+    summary = Run(tiny_config(steps=4), tmp_path / "r", SimCommunicator(2), log=lambda m: None).train()
+    assert summary["kernels"] == "cpu: attention and loss through 2**x"
+    assert summary["inner_step"] == "vmapped replicas, compiled whole step"
+
+
+@pytest.mark.parametrize("scale", [1e-8, 1e-3, 1.0, 1e4])
+def test_bf16_stochastic_rounding_is_unbiased_at_every_scale(scale):
+    """Each value rounds to one of its two bf16 neighbours, up with the probability of its distance
+    (200 draws of 4,096 values: each mean within 5.5 standard errors, their normalized errors
+    centred on 0), draws repeat from a seed, and neighbouring positions round independently (a
+    counter-based dither, not one noise for all)."""
+    from mlx_diloco.models.precision import round_bf16_stochastically
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(4096) * scale).astype(np.float32)
+    rounded = mx.compile(round_bf16_stochastically, inputs=[mx.random.state], outputs=[mx.random.state])
+    mx.random.seed(3)
+    draws = np.stack([np.array(rounded(mx.array(x)).astype(mx.float32)) for _ in range(200)]).astype(np.float64)
+    down = (x.view(np.uint32) & 0xFFFF0000).view(np.float32).astype(np.float64)  # towards 0
+    up = ((x.view(np.uint32) & 0xFFFF0000) + 0x10000).view(np.float32).astype(np.float64)
+    assert np.all((draws == down) | (draws == up))
+    p = (x - down) / (up - down)  # the probability of rounding away from 0
+    se = np.abs(up - down) * np.sqrt(p * (1 - p) / 200)
+    z = (draws.mean(axis=0) - x) / np.where(se > 0, se, 1)
+    assert np.abs(z).max() < 5.5 and abs(z.mean()) < 0.1
+    mx.random.seed(3)
+    assert np.array_equal(np.array(rounded(mx.array(x)).astype(mx.float32)), draws[0])  # repeats
+    away = draws == up
+    assert abs(np.corrcoef(away[:, ::2].ravel(), away[:, 1::2].ravel())[0, 1]) < 0.1  # independent positions

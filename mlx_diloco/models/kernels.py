@@ -42,9 +42,10 @@ class KernelPaths:
         # the CPU: powers of two measured 1.19x a step (bench/results/fastmath.txt); no fast bf16 matmul
         return cls(device="gpu" if gpu else "cpu", fused=gpu, fp32_matmul=not gpu)
 
-    def describe(self) -> str:
+    def describe(self, precision: str = "bf16") -> str:
         kernels = "fused attention, norms, cross-entropy" if self.fused else "attention and loss through 2**x"
-        return f"{self.device}: {kernels}" + ("; bf16 layers multiply in fp32" if self.fp32_matmul else "")
+        bf16 = "; bf16 layers multiply in fp32" if self.fp32_matmul and precision == "bf16" else ""
+        return f"{self.device}: {kernels}{bf16}"
 
 
 _chosen = None
@@ -151,11 +152,15 @@ def _folded_norm(name: str, eps: float, has_weight: bool, has_bias: bool):
 
 
 def layer_norm(x, weight, bias, eps, **kwargs):
+    if kwargs:  # (a stream): MLX's own
+        return FAST["layer_norm"](x, weight, bias, eps, **kwargs)
     arrays = [a for a in (weight, bias) if a is not None]
     return _folded_norm("layer_norm", eps, weight is not None, bias is not None)(x, *arrays)
 
 
 def rms_norm(x, weight, eps, **kwargs):
+    if kwargs:
+        return FAST["rms_norm"](x, weight, eps, **kwargs)
     arrays = [weight] if weight is not None else []
     return _folded_norm("rms_norm", eps, weight is not None, False)(x, *arrays)
 

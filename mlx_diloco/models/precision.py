@@ -79,8 +79,9 @@ def round_bf16_stochastically(x: mx.array) -> mx.array:
 def dither16(shape) -> mx.array:
     """Uniform noise in [0, 2**16), uint32, from a counter-based generator: each position hashed
     (murmur3's 32-bit finalizer) with a seed drawn from MLX's random state, so that a run
-    repeats. Elementwise, it fuses into a compiled update; MLX's randint draws 32 random bits
-    a value (threefry), which on the CPU cost 4x this (bench/precision.py)."""
+    repeats. Elementwise, it fuses into a compiled update; MLX's randint draws 32 random bits a
+    value (threefry) in a kernel of its own (`python bench/throughput.py --tables causes
+    --precisions bf16` measures the step with each)."""
     h = mx.arange(math.prod(shape), dtype=mx.uint32).reshape(shape)
     h = h + mx.random.randint(0, 1 << 30, (), dtype=mx.uint32) * 0x9E3779B9
     h = (h ^ (h >> 16)) * 0x7FEB352D

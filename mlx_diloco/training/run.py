@@ -603,7 +603,7 @@ class Run:
                 **{k: last.get(k) for k in ("measured_utilisation", "busy_s", "link_s", "straggler_s", "mfu", "flops_per_token",
                                             "peak_gflops")},
                 "peak_memory_bytes": peak, "workers_per_process": self.comm.n_local,
-                "kernels": kernel_paths().describe(), "inner_step": self.workers.describe()}
+                "kernels": kernel_paths().describe(self.config.precision), "inner_step": self.workers.describe()}
 
     # ------------------------------------------------------------ checkpoints
     def state(self) -> tuple:
