@@ -365,7 +365,7 @@ def test_a_sleeping_machine_is_evicted_then_readmitted(cluster, tmp_path):
     proc = launch(config, run_dir, f"--hosts={cluster.hosts_flag}", "--heartbeat-timeout=3",
                   "--collective-timeout=6")
     wait_for_step(cluster, 3, 37)
-    pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", "mdt3"], capture_output=True,
+    pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", cluster.namespace(3)], capture_output=True,
                                            text=True).stdout.split()]
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
@@ -450,3 +450,31 @@ def test_a_joiner_of_another_version_is_refused(tmp_path):
     assert refused["host"].startswith(cluster.address(3)) and "runs mlx-diloco 0.0.9" in refused["why"] and \
         "install the same version" in refused["why"]
     assert "joined" not in [e["event"] for e in events(run_dir)]
+
+
+# ---------------------------------------------------------------- clusters side by side (issue 36)
+def test_clusters_at_once_take_their_own_subnets_and_a_held_one_is_refused(tmp_path):
+    """Two test runs on one machine (two checkouts) build clusters at once: each takes its own /24 and
+    namespaces, and its own secret; a cluster asked for a subnet another bridge holds is refused in one
+    line, and the cluster that holds it goes on."""
+    from conftest import run_cli
+    first = EmulatedCluster(1, tmp_path / "first", mdns=False)
+    try:
+        second = EmulatedCluster(1, tmp_path / "second", mdns=False)
+        try:
+            assert second.subnet != first.subnet and second.namespace(1) != first.namespace(1)
+            for c in (first, second):
+                assert run_cli("discover", f"--hosts={c.hosts_flag}", env={"MLX_DILOCO_SECRET": SECRET}).returncode == 0
+        finally:
+            second.close()
+        with pytest.raises(RuntimeError) as refused:
+            EmulatedCluster(1, tmp_path / "third", subnet=first.subnet, mdns=False)
+        assert str(refused.value) == (f"netns-cluster.sh up 1: subnet {first.subnet}.0/24 is held by {first.prefix}br0 "
+                                      "(another cluster's bridge?); set MLXD_SUBNET to a free one")
+        shown = run_cli("discover", f"--hosts={first.hosts_flag}", env={"MLX_DILOCO_SECRET": SECRET})
+        assert shown.returncode == 0 and "host1" in shown.stdout, shown.stderr
+    finally:
+        first.close()
+    another_run = subprocess.run([sys.executable, "-c", "from mlx_diloco.cluster.emulated import SECRET; print(SECRET)"],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+    assert another_run.startswith("test-cluster-") and another_run != SECRET
