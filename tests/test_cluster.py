@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(bool(can_build()), reason=can_build())
 
 @pytest.fixture
 def cluster(tmp_path):
-    c = EmulatedCluster(3, tmp_path)
+    c = EmulatedCluster(3, tmp_path, models_dir=tmp_path / "models")
     try:
         yield c
     finally:  # namespaces and agents go even when the test fails
@@ -252,7 +252,7 @@ def test_lora_on_chat_jsonl_through_launch_trains_like_sim(cluster, tmp_path):
     import mlx.core as mx
     from conftest import tiny_llama_folder
     from mlx_diloco.config import TrainConfig
-    model = tiny_llama_folder(tmp_path / "llama")
+    model = tiny_llama_folder(tmp_path / "models" / "llama")  # where the agents load models from
     chat = lambda i: {"messages": [{"role": "user", "content": f"what is {i} and {i + 1}?"},
                                    {"role": "assistant", "content": f"the answer is {2 * i + 1}"}]}
     (tmp_path / "chat").mkdir()
