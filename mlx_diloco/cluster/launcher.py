@@ -280,7 +280,9 @@ class Launcher:
         check_bounds(options, config.workers)
         check_model_here(config.model)
         run_dir, resolved = Path(run_dir), resolve(config)
-        config = resolved.config
+        config = resolved.config  # the workers are sent it as resolved: the launcher says its notes
+        for note in resolved.notes:
+            log(f"[launch] {note}")
         s = resolved.strategy  # elastic: workers may come and go between syncs that fall every H steps
         elastic = s.steps_can_differ and bool(s.sync_every) and s.syncs_every_h
         grown, history = with_room_to_grow(config, options.max_workers, elastic)

@@ -101,6 +101,27 @@ def train_bpe(text: str, vocab_size: int, out_dir: Path) -> None:
         "bos_token": "<|endoftext|>", "model_max_length": 1 << 20}))
 
 
+# Files a tokenizer is read from (transformers' AutoTokenizer): a folder with none of them has none.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt")
+
+
+def hf_tokenizer(folder: Path):
+    """mlx-lm's tokenizer of a model (or tokenizer) folder, or one ConfigError line naming the folder
+    and what it lacks, instead of the traceback transformers raises."""
+    from mlx_lm.utils import load_tokenizer
+    folder = Path(folder)
+    present = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
+    fix = "copy the tokenizer's files in from where the model came from, or pass --tokenizer FOLDER"
+    if not present:
+        raise ConfigError(f"{folder} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} is there; {fix}")
+    try:
+        return load_tokenizer(folder)
+    except Exception as e:  # transformers raises ValueError, OSError, KeyError... for a tokenizer it cannot build
+        why = (str(e).strip().splitlines() or [""])[0]
+        raise ConfigError(f"cannot load the tokenizer in {folder} from its {', '.join(present)} "
+                          f"({type(e).__name__}: {why}); {fix}") from None
+
+
 class Tokenizer:
     """Encode/decode with a tokenizer folder: fast path through `tokenizers`, else mlx-lm's loader."""
 
@@ -112,9 +133,8 @@ class Tokenizer:
             self._hf = None
             self.vocab_size = self._fast.get_vocab_size()
         else:
-            from mlx_lm.utils import load_tokenizer
             self._fast = None
-            self._hf = load_tokenizer(self.folder)
+            self._hf = hf_tokenizer(self.folder)
             self.vocab_size = len(self._hf.vocab)
 
     def encode(self, text: str) -> list:

@@ -161,6 +161,8 @@ class Run:
             check_new_run_dir(self.run_dir)
         resolved = resolve(config) if parts is None else None
         self.config = config = resolved.config if resolved else config
+        for note in resolved.notes if resolved and reporter else ():
+            log(note)
         ring = len(place.ring_slots) if place.ring_slots else config.workers
         if comm.num_workers != ring:
             raise ConfigError(f"the job has {comm.num_workers} workers but the config says {ring}")
