@@ -257,14 +257,18 @@ class Run:
         MLX held to the config's memory limit; the run's summary."""
         with memory_limit(self.config.memory_limit):
             self._report("on_train_begin", {"step": self.steps_done, "steps": self.config.steps})
-            while self.steps_done < self.config.steps:
-                if self.stop_requests and (why := self._why_stop()):
-                    self.save_local_state()
-                    self._report_stop(why)
-                    raise StoppedForChange(why)
-                self.step()
-                if stop_after is not None and self.steps_done >= stop_after:
-                    break
+            try:
+                while self.steps_done < self.config.steps:
+                    if self.stop_requests and (why := self._why_stop()):
+                        self.save_local_state()
+                        self._report_stop(why)
+                        raise StoppedForChange(why)
+                    self.step()
+                    if stop_after is not None and self.steps_done >= stop_after:
+                        break
+            except BaseException:
+                self._report("on_train_stopped", {"step": self.steps_done})
+                raise
             self.peak_memory = self._peak_memory()  # the last global evaluation and checkpoint included
             summary = self.summary()
         self._report("on_train_end", summary)
