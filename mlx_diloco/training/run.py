@@ -376,10 +376,14 @@ class Run:
         waiting for the link, waiting for slower workers (comm.py measures both waits); and its model
         FLOPs utilisation over its wall-clock time (utilisation.py)."""
         wall = time.time() - self.wall_start
+        rate = self.tokens_here / wall if wall > 0 else None
+        if rate and self.peak_gflops and self.flops_per_token * rate / 1e9 > self.peak_gflops:
+            # Faster than the peak: it was measured while other work ran (utilisation.py).
+            self.peak_gflops = peak_gflops(beaten_by=self.flops_per_token * rate / 1e9)
         return {"compute_s": self.compute_s * self.comm.n_local,
                 "link_s": self.waited_s["link_s"] + self.comm.wait_s - self.comm.straggler_s,
                 "straggler_s": self.waited_s["straggler_s"] + self.comm.straggler_s,
-                "mfu": mfu(self.flops_per_token, self.tokens_here / wall, self.peak_gflops) if wall > 0 else None}
+                "mfu": mfu(self.flops_per_token, rate, self.peak_gflops) if rate is not None else None}
 
     # ------------------------------------------------------------ membership
     def _change_membership(self, step: int):
