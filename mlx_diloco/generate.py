@@ -6,7 +6,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from .config import ConfigError
-from .data.datasets import EMBEDDED, Tokenizer, hf_tokenizer
+from .data.datasets import EMBEDDED, Tokenizer
+from .data.hf_tokenizer import hf_tokenizer
 from .export import load_trained_model
 from .models import adapters
 

@@ -62,6 +62,16 @@ def start(client, config: dict, files: dict = None, job="j"):
                           collective_timeout=30)
 
 
+def finished(agent, job: str) -> dict:
+    """The status of the job's worker once it has exited."""
+    deadline = time.time() + 120
+    while (status := agent.client.request("status", job=job, metrics_from=0, exchanges_from=protocol.NO_LOG,
+                                          log_from=0))["state"] == "running":
+        assert time.time() < deadline
+        time.sleep(0.2)
+    return status
+
+
 EVIL = "import pathlib\npathlib.Path({marker!r}).write_text('ran')\ndef build():\n    pass\nloss = build\n"
 
 
@@ -91,11 +101,7 @@ def test_a_shipped_python_file_is_never_imported(tmp_path, key):
                     "which this agent imports only when started with --allow-code")
                 continue
             start(agent.client, config, files)
-            deadline = time.time() + 120
-            while (status := agent.client.request("status", job="j", metrics_from=0, exchanges_from=protocol.NO_LOG,
-                                                  log_from=0))["state"] == "running":
-                assert time.time() < deadline
-                time.sleep(0.2)
+            status = finished(agent, "j")
             assert status["returncode"] == 2, status["log"]
             assert "cannot load" in status["log_tail"] and "'data-0.evil:build'" in status["log_tail"]
         finally:
@@ -134,7 +140,8 @@ def test_models_and_data_resolve_only_under_the_folders_the_owner_allowed(agent,
         with pytest.raises(AgentError, match="refused 'start': " + re.escape(why)):
             start(agent.client, {**base, **change})
     start(agent.client, {**base, "data": str(tmp_path / "data" / "text.txt")}, job="allowed")  # accepted
-    agent.client.request("stop", job="allowed")
+    assert finished(agent, "allowed")["returncode"] == 0
+    assert list((agent.state / "cache" / "text").iterdir())  # its token cache: in the state folder
     assert "Traceback" not in agent.log.read_text()
 
 

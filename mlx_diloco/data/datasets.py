@@ -22,6 +22,7 @@ import numpy as np
 from ..atomic import atomic_write_bytes
 from ..config import ConfigError
 from . import EMBEDDED, FASHION_MNIST  # noqa: F401 (the rest imports them from here too)
+from .hf_tokenizer import hf_tokenizer
 from .jsonl import is_jsonl, load_jsonl
 
 VAL_FRACTION = 0.05
@@ -99,27 +100,6 @@ def train_bpe(text: str, vocab_size: int, out_dir: Path) -> None:
     (out_dir / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
         "bos_token": "<|endoftext|>", "model_max_length": 1 << 20}))
-
-
-# Files a tokenizer is read from (transformers' AutoTokenizer): a folder with none of them has none.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt")
-
-
-def hf_tokenizer(folder: Path):
-    """mlx-lm's tokenizer of a model (or tokenizer) folder, or one ConfigError line naming the folder
-    and what it lacks, instead of the traceback transformers raises."""
-    from mlx_lm.utils import load_tokenizer
-    folder = Path(folder)
-    present = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
-    fix = "copy the tokenizer's files in from where the model came from, or pass --tokenizer FOLDER"
-    if not present:
-        raise ConfigError(f"{folder} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} is there; {fix}")
-    try:
-        return load_tokenizer(folder)
-    except Exception as e:  # transformers raises ValueError, OSError, KeyError... for a tokenizer it cannot build
-        why = (str(e).strip().splitlines() or [""])[0]
-        raise ConfigError(f"cannot load the tokenizer in {folder} from its {', '.join(present)} "
-                          f"({type(e).__name__}: {why}); {fix}") from None
 
 
 class Tokenizer:

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from ..options import ConfigError
+from .hf_tokenizer import hf_tokenizer
 
 IGNORE = -1  # a target the loss leaves out
 SPLITS = ("train", "valid", "test")
@@ -155,7 +156,6 @@ def load_jsonl(source: str, seq_len: int, tokenizer_dir: str, mask_prompt: bool,
     model's tokenizer, padded to one width (the longest example's, rounded up to PAD_TO, at most seq-len:
     every worker's batch has the same shape, and the step compiles once). Without valid.jsonl, the
     last `val_fraction` of train's examples are held out."""
-    from .datasets import hf_tokenizer
     if not tokenizer_dir:
         raise ConfigError(f"JSONL data {source} needs the model's tokenizer: pass --model a model folder "
                           "(or --tokenizer FOLDER)")
