@@ -182,7 +182,7 @@ class Agent:
                 return {"complete": True}
             have = partial.stat().st_size if partial.exists() else 0
             _need(msg["offset"] == have, f"chunk at offset {msg['offset']}, expected {have}")
-            _need(0 < msg["size"] < 1 << 50 and have + len(msg["data"]) <= msg["size"], "chunk past the blob's size")
+            _need(0 < msg["size"] < 1 << 40 and have + len(msg["data"]) <= msg["size"], "chunk past the blob's size")
             if have == 0:
                 self._need_room(msg["size"])
             self.uploads[msg["digest"]] = msg["size"]

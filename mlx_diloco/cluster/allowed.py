@@ -59,9 +59,8 @@ class Allowed:
             if name and is_code(name) and not self.code:
                 return (f"{what} '{name[:200]}' names Python code (package.module:function), which this agent "
                         "imports only when started with --allow-code")
-        if not is_code(config.model) and not is_preset(config.model):
-            if why := self.model_problem(config.model):
-                return why
+        if not is_code(config.model) and (why := self.model_problem(config.model)):
+            return why
         if config.tokenizer and (why := self.path_problem("tokenizer", config.tokenizer, self.model_roots(),
                                                           "--models-dir")):
             return why
@@ -73,10 +72,11 @@ class Allowed:
         return (*self.models, hf_cache())
 
     def model_problem(self, model: str) -> str:
-        """'' for a hub name (ORG/NAME: this machine's Hugging Face cache) or a path under the model roots."""
+        """'' for a preset, a hub name (ORG/NAME: this machine's Hugging Face cache) or a path under the
+        model roots."""
         if why := name_problem("model", model):
             return why
-        if hub.is_hub_name(model):
+        if is_preset(model) or hub.is_hub_name(model):
             return ""
         return self.path_problem("model", model, self.model_roots(), "--models-dir")
 
@@ -97,7 +97,8 @@ class Allowed:
         return ""
 
     def model_folder(self, model: str):
-        """The folder of `model` on this machine if a job may load it (has_model), else None."""
+        """The folder of `model` on this machine if a job may load it (has_model), else None (a preset
+        and a builder name no folder)."""
         if is_code(model) or is_preset(model) or self.model_problem(model):
             return None
         return hub.local_folder(model)

@@ -47,7 +47,9 @@ from ..exchange.network import parse_link
 from ..options import ConfigError
 
 STATIC = Path(__file__).parent / "static"
-ASSETS = {"/static/" + p.relative_to(STATIC).as_posix(): p for p in STATIC.rglob("*") if p.is_file()}
+# The page and its code, read once (75 KB): serving them opens no file, even out of file descriptors.
+ASSETS = {"/static/" + p.relative_to(STATIC).as_posix(): p.read_bytes() for p in STATIC.rglob("*") if p.is_file()}
+PAGE = ASSETS["/static/index.html"]
 DEFAULT_PORT = 8470
 TOKEN_LABEL = b"mlx-diloco dashboard token"
 LOGS = ("metrics", "exchanges", "events")   # NAME.jsonl, a row a line
@@ -210,17 +212,20 @@ class Dashboard:
 
     async def _answer(self, request: web.BaseRequest) -> web.Response:
         if request.path in ASSETS:
-            return _response(200, ASSETS[request.path].read_bytes(), mimetypes.guess_type(request.path)[0])
+            return _response(200, ASSETS[request.path], mimetypes.guess_type(request.path)[0])
         if not self.allows(request.headers.get("Host"), request.query.get("token", "")):
             refused = _response(403, b"forbidden: open the URL the dashboard printed, with its ?token=\n")
             refused.force_close()  # no second try on this connection: it frees its place at once
             return refused
         self.server.served.add(request.protocol)
         if request.path == "/":
-            return _response(200, (STATIC / "index.html").read_bytes(), "text/html; charset=utf-8")
+            return _response(200, PAGE, "text/html; charset=utf-8")
         if request.path == "/api/run":
-            return _response(200, json.dumps(finite(snapshot(self.run_dir, self._say_once)), default=str).encode(),
-                             "application/json")
+            try:
+                run = snapshot(self.run_dir, self._say_once)
+            except OSError as e:  # out of file descriptors, say: the page asks again in a second
+                return _response(503, f"cannot read the run folder now ({e.strerror})\n".encode())
+            return _response(200, json.dumps(finite(run), default=str).encode(), "application/json")
         return _response(404, b"not found\n")
 
     def _say_once(self, message: str):

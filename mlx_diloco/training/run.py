@@ -377,9 +377,9 @@ class Run:
         FLOPs utilisation over its wall-clock time (utilisation.py)."""
         wall = time.time() - self.wall_start
         rate = self.tokens_here / wall if wall > 0 else None
-        if rate and self.peak_gflops and self.flops_per_token * rate / 1e9 > self.peak_gflops:
-            # Faster than the peak: it was measured while other work ran (utilisation.py).
-            self.peak_gflops = peak_gflops(beaten_by=self.flops_per_token * rate / 1e9)
+        gflops = rate and self.peak_gflops and self.flops_per_token * rate / 1e9
+        if gflops and gflops > self.peak_gflops:  # the peak was measured while other work ran (utilisation.py)
+            self.peak_gflops = peak_gflops(beaten_by=gflops)
         return {"compute_s": self.compute_s * self.comm.n_local,
                 "link_s": self.waited_s["link_s"] + self.comm.wait_s - self.comm.straggler_s,
                 "straggler_s": self.waited_s["straggler_s"] + self.comm.straggler_s,
