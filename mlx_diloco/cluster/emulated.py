@@ -25,7 +25,9 @@ SCRIPT = Path(__file__).resolve().parents[2] / "cluster" / "netns-cluster.sh"
 
 SECRET = f"test-cluster-{secrets.token_hex(16)}"  # this process's clusters' (a test run's, a bench's)
 LOCK = Path("/run/mlx-diloco-emulated-cluster.lock")  # held while a cluster picks its names and builds its bridge
-SUBNETS = [f"10.77.{n}" for n in range(256)]     # a cluster's hosts: SUBNET.11, .12, ...
+# A cluster's hosts: SUBNET.11, .12, ... Not 10.77.0, netns-cluster.sh's default for a cluster made by
+# hand (and every emulated cluster's before issue 36: an older checkout's tests may hold it unchecked).
+SUBNETS = [f"10.77.{n}" for n in range(1, 256)]
 
 
 def can_build() -> str:
@@ -54,8 +56,8 @@ def _free_place(subnet: str = None) -> tuple:
     """(namespace prefix, subnet) for a new cluster: names no interface or namespace has, and the first
     /24 of SUBNETS that no interface holds (or `subnet`: netns-cluster.sh refuses it if one does)."""
     subnets, names = _taken()
-    free = [n for n in range(len(SUBNETS)) if not any(name.startswith(f"md{n}x") for name in names)
-            and (subnet or SUBNETS[n] not in subnets)]
+    free = [n for n, candidate in enumerate(SUBNETS) if not any(name.startswith(f"md{n}x") for name in names)
+            and (subnet or candidate not in subnets)]
     if not free:
         raise RuntimeError(f"no free subnet for an emulated cluster among {SUBNETS[0]}-{SUBNETS[-1]}.0/24; remove "
                            "leftover clusters (MLXD_NETNS_PREFIX=PREFIX cluster/netns-cluster.sh down)")
