@@ -59,8 +59,8 @@ def measure_all_reduce(cluster, folder: Path, payload_bytes: int) -> float:
     """Median time of a ring all-reduce of `payload_bytes` (FP16) between the emulated hosts."""
     hostfile = folder / "allreduce-hosts.json"
     hostfile.write_text(json.dumps([[f"{cluster.address(i)}:{9300 + i}"] for i in range(1, cluster.n + 1)]))
-    procs = [subprocess.Popen(["ip", "netns", "exec", f"mdt{i}", sys.executable, "-c", ALL_REDUCE, str(payload_bytes)],
-                              stdout=subprocess.PIPE, text=True,
+    procs = [subprocess.Popen(["ip", "netns", "exec", cluster.namespace(i), sys.executable, "-c", ALL_REDUCE,
+                               str(payload_bytes)], stdout=subprocess.PIPE, text=True,
                               env={**cluster.env, "MLX_RANK": str(i - 1), "MLX_HOSTFILE": str(hostfile)})
              for i in range(1, cluster.n + 1)]
     outs = [p.communicate(timeout=300)[0] for p in procs]

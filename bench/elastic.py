@@ -120,7 +120,7 @@ def sleeping_laptop(tmp: Path, flags: list, stop_step: int, sleep_s: float) -> l
         flags = [f if not f.startswith("--workers") else "--workers=3" for f in flags]
         proc = launch(cluster, run_dir, [1, 2, 3], flags, "--heartbeat-timeout=3", "--collective-timeout=10")
         wait_for_step(cluster, [3], stop_step, proc)
-        pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", "mdt3"], capture_output=True,
+        pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", cluster.namespace(3)], capture_output=True,
                                                text=True).stdout.split()]
         for pid in pids:
             os.kill(pid, 19)  # SIGSTOP: the whole machine sleeps, its agent too

@@ -78,8 +78,7 @@ def main():
              f"doctor: {gflops}", f"load average before: {os.getloadavg()[0]:.2f}"]
     print(lines[0], flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = EmulatedCluster(4, Path(tmp) / "cluster", rate="100mbit", cables={c: "1gbit" for c in CABLES},
-                                  prefix="mdb", subnet="10.80.0", mdns=False)
+        cluster = EmulatedCluster(4, Path(tmp) / "cluster", rate="100mbit", cables={c: "1gbit" for c in CABLES}, mdns=False)
         try:
             start = time.time()
             table = cli("links", f"--hosts={cluster.hosts_flag}", f"--max-size={args.max_size}",

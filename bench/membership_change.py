@@ -68,7 +68,7 @@ class Watcher(threading.Thread):
 
     def _ring_connected(self, h: int) -> bool:
         """An established TCP connection in the host's namespace that is not an agent's: the ring."""
-        out = subprocess.run(["ip", "netns", "exec", f"mdt{h}", "ss", "-tnH", "state", "established"],
+        out = subprocess.run(["ip", "netns", "exec", self.cluster.namespace(h), "ss", "-tnH", "state", "established"],
                              capture_output=True, text=True).stdout
         return any(f":{self.agent_port}" not in line for line in out.splitlines() if line.strip())
 

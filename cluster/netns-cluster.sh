@@ -15,7 +15,9 @@
 #   cluster/netns-cluster.sh down                  kill everything in the hosts, remove them
 #
 # The launcher runs outside, on the bridge (10.77.0.1); mDNS and MLX's ring cross the bridge like a
-# switch. PREFIX is $MLXD_NETNS_PREFIX (default "mdh"), so parallel clusters do not collide.
+# switch. PREFIX is $MLXD_NETNS_PREFIX (default "mdh") and SUBNET $MLXD_SUBNET (default 10.77.0), so
+# parallel clusters do not collide: `up` refuses a subnet another interface of this machine holds
+# (two bridges on one /24 route each other's traffic into the wrong cluster).
 set -euo pipefail
 PREFIX=${MLXD_NETNS_PREFIX:-mdh}
 BRIDGE=${PREFIX}br0
@@ -58,8 +60,19 @@ shape() {
   [ -z "$rate" ] || tc -n "$ns" qdisc add dev "$dev" root tbf rate "$rate" burst "$(burst_for "$rate")" latency 50ms
 }
 
+# The interface other than BRIDGE that holds an address in SUBNET.0/24, if any.
+holder() {
+  ip -o -4 addr show | awk -v net="$SUBNET." -v own="$BRIDGE" \
+    'index($4, net) == 1 && $2 != own { print $2; exit }'
+}
+
 up() {
-  local k=$1 rate=${2:-} delay=${3:-}
+  local k=$1 rate=${2:-} delay=${3:-} held
+  held=$(holder)
+  if [ -n "$held" ]; then
+    echo "subnet $SUBNET.0/24 is held by $held (another cluster's bridge?); set MLXD_SUBNET to a free one" >&2
+    exit 1
+  fi
   down
   ip link add "$BRIDGE" type bridge
   ip addr add "$SUBNET.1/24" dev "$BRIDGE"

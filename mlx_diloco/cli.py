@@ -202,10 +202,14 @@ def worker_log(simulated: bool):
 def cmd_agent(args):
     import logging
     from .cluster.agent import serve
+    from .cluster.allowed import Allowed
     from .cluster.protocol import load_secret
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    serve(Path(args.state_dir).expanduser(), load_secret(secret_file=args.secret_file), args.port, args.bind,
-          mdns=not args.no_mdns, name=args.name, max_memory=args.max_memory and args.max_memory * 1e9)
+    state_dir = Path(args.state_dir)  # the Agent makes it absolute: its workers run in another folder
+    folders = lambda given: tuple(Path(d).expanduser().resolve() for d in given)
+    allowed = Allowed(state_dir, models=folders(args.models_dir), data=folders(args.data_dir), code=args.allow_code)
+    serve(state_dir, load_secret(secret_file=args.secret_file), args.port, args.bind, mdns=not args.no_mdns,
+          name=args.name, max_memory=args.max_memory and args.max_memory * 1e9, allowed=allowed)
 
 
 def found_agents(args):
@@ -501,6 +505,14 @@ def build_parser(config_flags: bool = True):
     s.add_argument("--name", help="name shown for this machine (default: its host name)")
     s.add_argument("--max-memory", type=float, help="GB that training jobs may use here at most (default: what "
                    "the GPU may wire on a Mac, 90%% elsewhere); launch refuses jobs that need more")
+    s.add_argument("--models-dir", action="append", default=[], metavar="DIR",
+                   help="a folder whose model folders (and tokenizers) jobs may load, beside this machine's Hugging "
+                        "Face cache (repeat it for more)")
+    s.add_argument("--data-dir", action="append", default=[], metavar="DIR",
+                   help="a folder whose files jobs may read as data (launch --data-on-workers; repeat it for more)")
+    s.add_argument("--allow-code", action="store_true",
+                   help="let jobs name a model builder or loss function as package.module:function (Python code, "
+                        "imported from the modules installed here)")
     s.set_defaults(func=cmd_agent)
 
     def add_finding(s):

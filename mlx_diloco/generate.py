@@ -7,6 +7,7 @@ import mlx.core as mx
 
 from .config import ConfigError
 from .data.datasets import EMBEDDED, Tokenizer
+from .data.hf_tokenizer import hf_tokenizer
 from .export import load_trained_model
 from .models import adapters
 
@@ -37,8 +38,7 @@ def generate(run_dir, prompt: str, max_tokens: int = 200, temperature: float = 0
             raise ConfigError(f"run {run_dir} did not train a language model; generate needs one")
         tok, context = Tokenizer(tokenizer_dir), spec.context_length
         if trained_on_chat(run_dir):
-            from mlx_lm.utils import load_tokenizer
-            tok = load_tokenizer(tokenizer_dir)
+            tok = hf_tokenizer(tokenizer_dir)
     ids = chat_prompt(tok, prompt) if trained_on_chat(run_dir) else tok.encode(prompt)
     return sample(model, tok, context, ids, max_tokens, temperature, seed)
 

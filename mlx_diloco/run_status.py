@@ -11,6 +11,7 @@ A process of `sim --processes` that is not the reporter writes the workers it tr
 """
 
 import json
+import os
 import time
 from collections import deque
 from pathlib import Path
@@ -78,21 +79,40 @@ def passed(report: dict) -> dict:
     return {k: report[k] for k in PASSED if report.get(k) is not None}
 
 
-def read(run_dir: Path):
+def read(run_dir: Path, say=lambda message: None):
     """The run's status (None before its first write): status.json, with the workers the other
-    processes of a `sim --processes` run wrote in worker-W/status.json."""
+    processes of a `sim --processes` run wrote in worker-W/status.json. A row that is not a worker's
+    (not an object, a worker id that is not a number) is left out and `say`s so."""
     run_dir = Path(run_dir)
-    status = _read_json(run_dir / FILE)
+    status = _read_json(run_dir / FILE, run_dir)
     if status is None:
         return None
     for part in sorted(run_dir.glob(f"worker-*/{FILE}")):
-        if (other := _read_json(part)) and other.get("source") == status.get("source"):
-            status["workers"] += other.get("workers", [])
-    status["workers"].sort(key=lambda w: (w.get("worker") is None, w.get("worker") or 0))
+        if (other := _read_json(part, run_dir)) and other.get("source") == status.get("source"):
+            status["workers"] += other["workers"]
+    rows = []
+    for w in status["workers"]:
+        if isinstance(w, dict) and _is_id(w.get("worker")):
+            rows.append(w)
+        else:
+            say(f"passed over a row of {FILE} that is not a worker's: {json.dumps(w)[:200]}")
+    status["workers"] = sorted(rows, key=lambda w: (w.get("worker") is None, w.get("worker") or 0))
     return status
 
 
-def _read_json(path: Path):
+def _is_id(worker) -> bool:
+    """A worker id: a whole number, or None (a machine waiting to join, without a slot yet)."""
+    return worker is None or (isinstance(worker, int) and not isinstance(worker, bool))
+
+
+def within(run_dir: Path, path: Path) -> bool:
+    """Whether `path`, its links followed, is inside the run folder (a link out of it is not the run's)."""
+    return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(run_dir))
+
+
+def _read_json(path: Path, run_dir: Path):
+    if not within(run_dir, path):
+        return None
     try:
         value = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -135,6 +135,17 @@ def test_a_worker_with_nan_stops_the_run_before_the_global_model_and_its_checkpo
         np.testing.assert_array_equal(after[k], before[k], err_msg=k)
 
 
+def test_with_one_process_the_nan_error_has_a_line_of_its_own(tmp_path):
+    """sim --processes 1 printed the error after the progress bar, on its line (the bar is drawn with \\r)."""
+    from conftest import run_cli
+    out = run_cli("sim", "--model", "tiny", "--seq-len", 16, "--batch-size", 4, "--workers", 2, "--steps", 40,
+                  "--sync-every", 4, "--warmup", 0, "--lr", 1e4, "--processes", 1, "--sample-tokens", 0,
+                  "--run-dir", tmp_path / "r")
+    assert out.returncode == 2
+    (said,) = [line for line in out.stderr.split("\n") if "mlx-diloco: error:" in line]
+    assert said.startswith("mlx-diloco: error: step 4: workers 0, 1 sent non-finite values"), repr(said[:300])
+
+
 def test_nan_in_an_exchange_still_in_flight_never_reaches_a_checkpoint(tmp_path):
     """Streaming DiLoCo with one step of overlap, H = 4: the exchange sent at step 8 lands at step 9,
     after the checkpoint of step 8, which therefore checks the weights it would keep."""

@@ -17,6 +17,11 @@ from mlx_diloco.training.run import Run
 # `if self.sync_every` guards), measured on the tree of commit c01194b with
 #   PYTHONPATH=<that tree> python <a script running Run(tiny_config(strategy="sparta-diloco",
 #   fraction=0.05, compress="fp32", **case), ...).train()["final_eval_loss"] for each case below>
+# Another BLAS kernel sums in another order: the int4 case's loss moves where a float difference flips
+# a quantization level. Measured with OpenBLAS 0.3's kernels on one machine (OPENBLAS_CORETYPE unset,
+# SkylakeX: 6.077980041; Haswell: 6.077976704; Sandybridge: 6.077971935), the old tree and the
+# composed one gave the same number under each kernel, 1.3e-6 apart across them: compared to 1e-5.
+BLAS_REL = 1e-5
 OLD_SPARTA_DILOCO = {
     "plain": ({}, 6.064458847045898),
     "streaming, ddp warm start": (dict(fragments=2, overlap_steps=1, compress="int4", error_feedback=True,
@@ -30,7 +35,7 @@ def test_the_composed_sparta_diloco_gives_the_old_numbers(tmp_path, case):
     options, old = OLD_SPARTA_DILOCO[case]
     config = tiny_config(**{"strategy": "sparta-diloco", "fraction": 0.05, "compress": "fp32", **options})
     summary = Run(config, tmp_path / "r", SimCommunicator(2), log=lambda m: None).train()
-    assert summary["final_eval_loss"] == old
+    assert summary["final_eval_loss"] == pytest.approx(old, rel=BLAS_REL)
 
 
 def test_sparta_diloco_has_todays_options_and_is_made_of_its_parts():

@@ -120,6 +120,46 @@ def test_the_answer_joins_the_run_folder_and_passes_over_what_it_cannot_read(tmp
     assert snapshot(tmp_path)["ring"][0]["host"] == "mini1"  # a cluster's ring, as the launcher measured it
 
 
+def test_the_answer_reads_nothing_outside_the_run_folder_and_passes_over_a_malformed_row(tmp_path, caplog):
+    """Links in a run folder are not followed out of it; a status row with a string worker id (which
+    made every /api/run fail) is passed over, said once in the log."""
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    run.mkdir()
+    outside.mkdir()
+    (outside / "secret.json").write_text(json.dumps({"key": "not the run's"}))
+    (outside / "rows.jsonl").write_text(json.dumps({"step": 1, "key": "not the run's"}) + "\n")
+    (run / "config.json").symlink_to(outside / "secret.json")
+    (run / "metrics.jsonl").symlink_to(outside / "rows.jsonl")
+    (run / "worker-1").symlink_to(outside, target_is_directory=True)
+    (outside / "status.json").write_text(json.dumps({"source": "sim", "workers": [{"worker": 7, "state": "done"}]}))
+    (run / "status.json").write_text(json.dumps({"time": 1.0, "source": "sim", "step": 1, "steps": 2, "workers": [
+        {"worker": "zero", "state": "training"}, {"worker": 0, "state": "training"}, 5, {"worker": True}]}))
+    board = Dashboard(run, "127.0.0.1", 0)
+    try:
+        for _ in range(2):
+            status, body = get(board.url + "api/run")
+            assert status == 200, body[-2000:]
+            got = json.loads(body)
+            assert got["config"] is None and got["metrics"] == []
+            assert got["status"]["workers"] == [{"worker": 0, "state": "training"}]
+    finally:
+        board.close()
+    said = [r.getMessage() for r in caplog.records if r.name == "mlx_diloco.dashboard"]
+    assert said == [f'dashboard of {run}: passed over a row of status.json that is not a worker\'s: {row}'
+                    for row in ('{"worker": "zero", "state": "training"}', "5", '{"worker": true}')], said
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads ss's view of the socket")
+def test_the_dashboard_listens_with_a_normal_backlog(tmp_path):
+    """A backlog of 5 made 200 connections take 31 s to open (SYN retries)."""
+    board = Dashboard(tmp_path, "127.0.0.1", 0)
+    try:
+        shown = subprocess.run(["ss", "-ltnH", f"sport = :{board.port}"], capture_output=True, text=True).stdout.split()
+        assert int(shown[2]) == 128, shown  # Send-Q of a listening socket: its backlog
+    finally:
+        board.close()
+
+
 # ------------------------------------------------------------ the page in Chromium
 @pytest.fixture
 def browser():
@@ -230,6 +270,64 @@ def test_the_page_follows_a_live_sim_and_shows_it_afterwards(browser, tmp_path):
     finally:
         served.send_signal(signal.SIGINT)
         assert served.wait(timeout=10) == 130
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process so far, from /proc."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(bool(no_browser) or not sys.platform.startswith("linux"), reason=no_browser or "reads /proc")
+def test_idle_connections_without_the_token_do_not_starve_the_page(browser, tmp_path):
+    """Issue 36: a dashboard bound beyond the loopback, under macOS's default 256 open files (ulimit -n
+    256), and 250 idle connections from a client without the token: they held a thread and a file
+    each and were never timed out, the token holder loaded 0 of 3 pages, and accept() failing with
+    EMFILE spun a core. Now the token holder loads 10 of 10, the server stays near idle, and it
+    closes every idle connection."""
+    import resource
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"strategy": "diloco", "workers": 2, "model": "tiny"}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "eval_loss": 6.0 - s / 10}) + "\n"
+                                               for s in range(0, 40, 10)))
+    (run / "summary.json").write_text(json.dumps({"final_eval_loss": 5.7}))
+    limit = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+    served = subprocess.Popen([sys.executable, "-m", "mlx_diloco", "dashboard", str(run), "--host", "0.0.0.0", "--port", "0"],
+                              stdout=subprocess.DEVNULL, stderr=open(tmp_path / "dashboard.log", "w"), preexec_fn=limit)
+    idle = []
+    try:
+        url = printed_url(tmp_path / "dashboard.log", served)
+        port = int(url.split(":")[2].split("/")[0])
+        url = f"http://127.0.0.1:{port}/" + url.split("/", 3)[3]
+        cpu_before, began = cpu_seconds(served.pid), time.time()
+        for _ in range(250):  # a client without the token: connects, and sends nothing
+            sock = socket.socket()
+            sock.settimeout(30)
+            sock.connect(("127.0.0.1", port))
+            idle.append(sock)
+        browser.set_page_load_timeout(30)
+        loaded = 0
+        for _ in range(10):
+            browser.get(url)
+            watch(browser, lambda s: s["finished"] and s["points"] == 4, timeout=30)
+            loaded += 1
+        cpu, window = cpu_seconds(served.pid) - cpu_before, time.time() - began
+        print(f"\n250 idle connections: {loaded} of 10 pages loaded; the dashboard used {cpu:.2f} CPU-seconds "
+              f"in {window:.1f} s")
+        assert loaded == 10 and cpu < 0.1 * window, (cpu, window)
+        for sock in idle:  # each closed by the dashboard: pushed out by newer ones, or after its idle time
+            assert sock.recv(1) == b""
+        for request in (b"GARBAGE\r\n\r\n", b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\n\r\n"):  # answered 400, quietly
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(request)
+                assert sock.recv(100).startswith(b"HTTP/1.0 400")
+        time.sleep(0.5)
+        assert served.poll() is None and "Traceback" not in (tmp_path / "dashboard.log").read_text()
+    finally:
+        for sock in idle:
+            sock.close()
+        served.kill()
 
 
 @pytest.mark.skipif(bool(no_browser or can_build()), reason=no_browser or can_build())

@@ -185,6 +185,19 @@ def test_a_nan_from_one_worker_stops_every_worker_naming_it(tree):
     assert e.value.workers == [1]
 
 
+def test_a_nan_in_the_parameters_stops_the_run_at_an_exchange_of_moments_alone():
+    """Kx = 4, Ku = 2: step 2 averages the first moment only. The NaN in worker 1's parameters was
+    noticed only at step 4's parameter average; now at step 2's exchange."""
+    s = DESLOC(sync_every=4, first_moment_sync_every=2, second_moment_sync_every=0)
+    s.bind(SimCommunicator(3), 10)
+    params = {"w": mx.zeros((3, 4))}
+    s.setup(tree_map(lambda p: p[0], params))
+    s.inner_optimizer(tiny_config(strategy="desloc", workers=3)).init(params)
+    params["w"] = params["w"] + mx.array(np.where(np.arange(3)[:, None] == 1, np.nan, 0.0).astype(np.float32))
+    with pytest.raises(NonFiniteValues, match=r"^worker 1 holds non-finite values \(NaN or inf\) in its parameters$"):
+        s.after_step(params, 2)
+
+
 def test_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path):
     config = tiny_config(strategy="desloc", workers=3, steps=14, sync_every=2, first_moment_sync_every=4,
                          second_moment_sync_every=6)

@@ -2,6 +2,8 @@
 quantized one too: QLoRA), every strategy that makes sense trains and exchanges only the adapters,
 the others say why not, and the memory estimate counts the adapters and the frozen base."""
 
+import json
+import shutil
 from dataclasses import replace
 
 import mlx.nn as nn
@@ -164,13 +166,48 @@ def test_qlora_trains_adapters_on_a_frozen_quantized_base(quantized, tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     ({"model": "tiny"}, "needs an mlx-lm model"),                       # our GPT: no `layers`
     ({"strategy": "muloco"}, "Muon steps the blocks' weight matrices"),
-    ({"num_layers": 5}, "num-layers 5 but the model has 4 blocks"),
     ({"fragments": 3}, "3 fragments but only 2 blocks"),
     ({"fine_tune_type": "qlora"}, "fine-tune-type must be one of full, lora, dora"),
 ])
 def test_what_does_not_fit_adapters_is_one_line(base, overrides, message):
     with pytest.raises(ConfigError, match=message):
         resolve(lora_config(overrides.pop("model", base), **overrides))
+
+
+def test_num_layers_above_the_blocks_puts_adapters_on_all_of_them_said_once(base, tmp_path):
+    """mlx-lm's linear_to_lora_layers takes every block when num-layers is above their count; the
+    default of 16 refused every smaller model. The note comes once, from sim, not from each process."""
+    import mlx.core as mx
+    from conftest import run_cli
+    out = run_cli("sim", "--model", base, "--fine-tune-type", "lora", "--lora-rank", RANK, "--seq-len", 16,
+                  "--batch-size", 4, "--workers", 2, "--processes", 2, "--steps", 2, "--warmup", 0, "--eval-batches", 1,
+                  "--sample-tokens", 0, "--run-dir", tmp_path / "run")
+    assert out.returncode == 0, out.stderr[-2000:]
+    note = f"num-layers 16 is more than the model's {LAYERS} blocks: adapters on all {LAYERS}, as mlx-lm puts them"
+    assert (out.stdout + out.stderr).count(note) == 1, out.stdout + out.stderr
+    adapters = tmp_path / "run" / "adapters"
+    assert json.loads((adapters / "adapter_config.json").read_text())["num_layers"] == LAYERS
+    assert sum(v.size for v in mx.load(str(adapters / "adapters.safetensors")).values()) == adapter_count(LAYERS)
+
+
+@pytest.mark.parametrize("fine_tune, data", [("lora", "chat"), ("full", "chat"), ("full", "text")])
+def test_a_model_folder_without_its_tokenizer_is_one_line(base, tmp_path, fine_tune, data):
+    """It was a 49-line traceback from transformers; now one line naming the folder and the files."""
+    from conftest import run_cli
+    folder = tmp_path / "no-tokenizer"
+    shutil.copytree(base, folder, ignore=shutil.ignore_patterns("tokenizer*", "vocab*", "merges*"))
+    (tmp_path / "chat").mkdir()
+    (tmp_path / "chat" / "train.jsonl").write_text(json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n")
+    (tmp_path / "text.txt").write_text("the user asks and the assistant answers\n" * 100)
+    out = run_cli("sim", "--model", folder, "--data", tmp_path / ("chat" if data == "chat" else "text.txt"),
+                  "--fine-tune-type", fine_tune, "--workers", 1, "--steps", 1, "--seq-len", 16, "--batch-size", 1,
+                  "--run-dir", tmp_path / "run")
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
+        f"mlx-diloco: error: {folder} has no tokenizer: none of tokenizer.json, tokenizer_config.json, tokenizer.model, "
+        "vocab.json, merges.txt is there; copy the tokenizer's files in from where the model came from, or pass "
+        "--tokenizer FOLDER"), out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
 
 
 def test_memory_counts_the_adapters_and_the_frozen_base(base, quantized):

@@ -147,6 +147,22 @@ def test_bad_lines_are_named(tmp_path, model_dir, line, error):
         prepare(str(path.parent), 64, 0, str(model_dir), **QUIET)
 
 
+@pytest.mark.parametrize("kind,line,error", [
+    ("chat", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 5}]},
+     r"""line 3: messages\[1\]'s "content" is 5, not a string; write it as text \("..."\)$"""),
+    ("chat", {"messages": [{"role": "user", "content": ["hi"]}]}, r"""line 3: messages\[0\]'s "content" is \["hi"\]"""),
+    ("chat", {"messages": [{"content": "hi"}]}, r"""line 3: messages\[0\] is not a \{"role": ..., "content": ...\} object"""),
+    ("chat", {"messages": "hi"}, r"""line 3: "messages" is not a list of messages"""),
+    ("completions", {"prompt": "q", "completion": None}, r"""line 3: "completion" is null, not a string"""),
+    ("text", {"text": {"a": 1}}, r"""line 3: "text" is \{"a": 1\}, not a string"""),
+])
+def test_records_hold_text_where_the_template_takes_text(tmp_path, model_dir, kind, line, error):
+    """A chat record with "content": 5 trained silently (as the characters "5")."""
+    path = write_jsonl(tmp_path / "d" / "train.jsonl", records(kind, 2) + [json.dumps(line)] + records(kind, 20))
+    with pytest.raises(ConfigError, match=error):
+        prepare(str(path.parent), 64, 0, str(model_dir), **QUIET)
+
+
 def test_chat_without_template_and_mask_prompt_without_prompts(tmp_path, model_dir):
     plain = tmp_path / "plain-tokenizer"
     shutil.copytree(model_dir, plain)

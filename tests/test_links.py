@@ -132,8 +132,7 @@ def cli(*args, timeout=180):
 def test_links_measure_the_shaped_rates_and_order_the_ring(tmp_path):
     # Four hosts on a bridge at 1 Gbit/s; host1 and host2 also share a "Thunderbolt" cable at 100 Mbit/s.
     # Counting cables puts host1 and host2 side by side; the measurements keep them apart.
-    cluster = EmulatedCluster(4, tmp_path / "cluster", rate="1gbit", cables={(1, 2): "100mbit"},
-                              prefix="mdl", subnet="10.79.0", mdns=False)  # its own: other tests may run beside
+    cluster = EmulatedCluster(4, tmp_path / "cluster", rate="1gbit", cables={(1, 2): "100mbit"}, mdns=False)
     try:
         out = cli("links", f"--hosts={cluster.hosts_flag}", "--max-size=16MB", "--out", tmp_path / "links.json")
         print(out)
@@ -167,7 +166,7 @@ def test_links_measure_the_shaped_rates_and_order_the_ring(tmp_path):
 
 @needs_namespaces
 def test_launch_measures_links_first(tmp_path):
-    cluster = EmulatedCluster(2, tmp_path / "cluster", prefix="mdl", subnet="10.79.0", mdns=False)
+    cluster = EmulatedCluster(2, tmp_path / "cluster", mdns=False)
     try:
         run_dir = tmp_path / "run"
         config = tiny_config(workers=2, steps=4, sync_every=2)

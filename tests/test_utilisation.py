@@ -83,3 +83,20 @@ def test_sim_reports_time_spent_and_mfu(tmp_path):
     assert 0 < summary["measured_utilisation"] <= 1
     rows = (tmp_path / "run" / "exchanges.jsonl").read_text().splitlines()
     assert all("straggler_s" in json.loads(r) for r in rows) and rows
+
+
+def test_a_peak_measured_on_a_busy_machine_is_raised_and_no_mfu_passes_100_percent(tmp_path, monkeypatch):
+    """The default sim on an idle machine reported MFU 108%: the matmul peak it divided by was
+    measured once while other work ran, and kept for good. A run faster than the kept peak measures
+    it again and keeps the best (at least its own rate); doctor's measurement never lowers it."""
+    from mlx_diloco.training.processes import simulate
+    from mlx_diloco.utilisation import _cache_path, _machine_key, matmul_gflops, peak_gflops
+    monkeypatch.setenv("MLX_DILOCO_CACHE", str(tmp_path / "cache"))
+    _cache_path().parent.mkdir(parents=True)
+    _cache_path().write_text(json.dumps({_machine_key(): 0.01}))  # 10 MFLOP/s: as if measured under a load
+    summary = simulate(tiny_config(workers=2, steps=8, sync_every=2), tmp_path / "run", processes=1, log=lambda m: None)
+    kept = json.loads(_cache_path().read_text())[_machine_key()]
+    print(f"\nMFU {summary['mfu']:.3f} of a peak raised from 0.01 to {kept:.1f} GFLOP/s")
+    assert 0 < summary["mfu"] <= 1 and summary["peak_gflops"] == kept > 1
+    _cache_path().write_text(json.dumps({_machine_key(): 1e6}))  # a best measured before: doctor keeps it
+    assert peak_gflops(beaten_by=matmul_gflops()) == 1e6

@@ -7,9 +7,11 @@ logs) under its state folder, so a restarted job resumes from what is on disk.
 
 The only programs an agent ever starts are `python -m mlx_diloco worker --job FILE`, with a job file
 (worker_job.py) it has validated itself (TrainConfig, ring addresses, names that cannot leave the
-state folder), and the link test `python -m mlx_diloco linktest --job FILE` (cluster/links.py), whose
-job file it writes itself too. It keeps the last measurement of each link in STATE/links/ and
-reports them in its hello.
+state folder, and what its owner allows a job to read and run: allowed.py), and the link test
+`python -m mlx_diloco linktest --job FILE` (cluster/links.py), whose job file it writes itself too.
+They run in an empty folder of the agent's (`python -m` puts the working folder on sys.path: what
+launchers ship is never importable) with their caches in the state folder. It keeps the last
+measurement of each link in STATE/links/ and reports them in its hello.
 """
 
 import collections
@@ -29,12 +31,13 @@ import uuid
 from dataclasses import replace
 from pathlib import Path
 
-from .. import hub, run_folder
+from .. import run_folder
 from ..atomic import atomic_write_text
 from ..config import ConfigError, TrainConfig
 from ..exchange.watchdog import WATCHDOG_EXIT_MARK
 from ..worker_job import WorkerJob
 from . import hostinfo, protocol
+from .allowed import Allowed
 from .links import LinkTestJob
 from .ringplan import SLOWEST_FIRST
 from .hostfile import is_device_matrix
@@ -44,6 +47,8 @@ MAX_CONNECTIONS = 32   # authenticated connections served at once (a launcher ho
 MAX_WAITING = 128      # connections yet to send a signed first frame; a few file descriptors under macOS's 256
 ACCEPT_BATCH = 32      # connections accepted per turn of the loop, between reads of first frames
 LISTEN_BACKLOG = 128   # connections the system queues for accept (a flood must not fill it in a moment)
+UPLOAD_MAX_AGE_S = 3600  # a partial upload (a blob's chunks so far) not added to for this long is removed
+KEEP_FREE = 1 << 30      # bytes of disk that uploads in progress leave free
 log = logging.getLogger("mlx_diloco.agent")
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -111,10 +116,12 @@ class WorkerProcess:
 
 
 class Agent:
-    def __init__(self, state_dir: Path, secret: bytes, name: str = None, max_memory: float = None):
-        self.state_dir = Path(state_dir)
-        (self.state_dir / "blobs").mkdir(parents=True, exist_ok=True)
-        (self.state_dir / "jobs").mkdir(exist_ok=True)
+    def __init__(self, state_dir: Path, secret: bytes, name: str = None, max_memory: float = None,
+                 allowed: Allowed = None):
+        self.state_dir = Path(state_dir).expanduser().resolve()  # its workers run elsewhere: a relative path would move
+        self.allowed = replace(allowed or Allowed(self.state_dir), state_dir=self.state_dir)
+        for folder in ("blobs", "jobs", "workdir", "cache"):  # workdir: the workers' (empty); cache: their token caches
+            (self.state_dir / folder).mkdir(parents=True, exist_ok=True)
         id_file = self.state_dir / "agent-id"
         if not id_file.exists():
             id_file.write_text(uuid.uuid4().hex)
@@ -122,6 +129,7 @@ class Agent:
         self.secret, self.name = secret, name
         self.max_memory = max_memory  # bytes offered to training jobs at most (the rest stays for other apps)
         self.jobs = {}
+        self.uploads = {}  # digest -> the size a blob being uploaded will have
         self.lock = threading.Lock()
 
     # ------------------------------------------------------------ requests
@@ -157,29 +165,57 @@ class Agent:
         return {"present": self._blob(msg["digest"]).exists()}
 
     def on_has_model(self, msg):
-        """Whether this machine holds the model folder or cached hub model a job names (hub.py)."""
-        folder = hub.local_folder(msg["model"])
-        return {"present": folder is not None, "folder": str(folder or "")}
+        """Whether this machine holds the model folder or cached hub model a job names (hub.py), in a
+        folder its jobs may load models from (allowed.py): `refused` says why not, else ''."""
+        why = self.allowed.model_problem(msg["model"])
+        folder = None if why else self.allowed.model_folder(msg["model"])
+        return {"present": folder is not None, "folder": str(folder or ""), "refused": why}
 
     def on_put_chunk(self, msg):
-        """Chunks arrive in order; the last one is checked against the digest before it counts."""
+        """Chunks arrive in order; the last one is checked against the digest before it counts. A blob
+        must fit the free disk with every other upload in progress; uploads left unfinished expire."""
         final = self._blob(msg["digest"])
         partial = final.with_name(final.name + ".partial")
         with self.lock:
+            self._expire_uploads()
             if final.exists():
                 return {"complete": True}
             have = partial.stat().st_size if partial.exists() else 0
             _need(msg["offset"] == have, f"chunk at offset {msg['offset']}, expected {have}")
             _need(0 < msg["size"] < 1 << 40 and have + len(msg["data"]) <= msg["size"], "chunk past the blob's size")
+            if have == 0:
+                self._need_room(msg["size"])
+            self.uploads[msg["digest"]] = msg["size"]
             with open(partial, "ab") as f:
                 f.write(msg["data"])
             if have + len(msg["data"]) < msg["size"]:
                 return {"complete": False}
+            del self.uploads[msg["digest"]]
             if protocol.file_digest(partial) != msg["digest"]:
                 partial.unlink()
                 raise Refused("checksum mismatch: the blob was corrupted on the way; send it again")
             partial.replace(final)
             return {"complete": True}
+
+    def _need_room(self, size: int):
+        """Refuse a new upload that the free disk cannot hold beside the others in progress."""
+        blobs = self.state_dir / "blobs"
+        coming = sum(total - (blobs / f"{d}.partial").stat().st_size for d, total in self.uploads.items()
+                     if (blobs / f"{d}.partial").exists())
+        room = shutil.disk_usage(blobs).free - KEEP_FREE - coming
+        _need(size <= room, f"a blob of {size / 1e9:.1f} GB does not fit: {max(room, 0) / 1e9:.1f} GB of this "
+                            f"machine's disk is free for uploads (with {KEEP_FREE >> 30} GB kept free); free some disk")
+
+    def _expire_uploads(self):
+        """Remove the partial uploads no chunk was added to for UPLOAD_MAX_AGE_S (a launcher gone)."""
+        for partial in (self.state_dir / "blobs").glob("*.partial"):
+            try:
+                if time.time() - partial.stat().st_mtime > UPLOAD_MAX_AGE_S:
+                    partial.unlink()
+                    self.uploads.pop(partial.name.removesuffix(".partial"), None)
+                    log.info("removed an upload unfinished for %d s: %s", UPLOAD_MAX_AGE_S, partial.name[:12])
+            except FileNotFoundError:
+                pass
 
     def _job_dir(self, job: str) -> Path:
         _need(hostinfo.valid_name(job), "job names are 1-64 letters, digits, '_', '.', '-'")
@@ -198,7 +234,10 @@ class Agent:
             config = TrainConfig.from_dict(msg["config"])  # its strategy options: the worker checks them
         except (ConfigError, TypeError) as e:
             raise Refused(f"invalid job config: {e}")
+        _need(isinstance(msg["data"].get("files") or {}, dict), "data needs 'files' and 'num_shards'")
+        _need(not (why := self.allowed.problem(config, shipped=bool(msg["data"].get("files")))), why)
         hostfile, elastic = msg["hostfile"], msg.get("elastic") or {}  # elastic: the ring holds the members
+        _need(isinstance(elastic, dict), "elastic must be a map of ring_slots, joiners, membership")
         ring = len(elastic.get("ring_slots") or []) or config.workers
         _need(len(hostfile) == ring and 0 <= msg["rank"] < ring,
               "the hostfile must have one entry per worker, and rank must index it")
@@ -246,11 +285,14 @@ class Agent:
         return {"pid": popen.pid}
 
     def _spawn(self, job: str, folder: Path, run_dir: Path, rank: int, command: list, env: dict):
-        """Start `python -m mlx_diloco COMMAND` for a job, in its folder, its output appended to worker.log."""
+        """Start `python -m mlx_diloco COMMAND` for a job, its output appended to its folder's worker.log.
+        It runs in STATE/workdir, which stays empty: `-m` puts the working folder first on sys.path, and
+        the job's folder holds what launchers send (a data file named evil.py must never be imported)."""
+        env = {**env, "MLX_DILOCO_CACHE": str(self.state_dir / "cache")}
         with open(folder / "worker.log", "ab") as out:
             log_start = out.seek(0, os.SEEK_END)
-            popen = subprocess.Popen([sys.executable, "-m", "mlx_diloco", *command], cwd=folder, stdout=out,
-                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            popen = subprocess.Popen([sys.executable, "-m", "mlx_diloco", *command], cwd=self.state_dir / "workdir",
+                                     stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.jobs[job] = WorkerProcess(popen, folder, run_dir, rank, log_start)
         return popen
 
@@ -554,9 +596,9 @@ def advertise(agent: Agent, port: int, addresses: list):
 
 
 def serve(state_dir: Path, secret: bytes, port: int = protocol.DEFAULT_PORT, bind: str = "", mdns: bool = True,
-          name: str = None, max_memory: float = None):
+          name: str = None, max_memory: float = None, allowed: Allowed = None):
     """Run the agent until SIGINT/SIGTERM."""
-    agent = Agent(state_dir, secret, name, max_memory)
+    agent = Agent(state_dir, secret, name, max_memory, allowed)
     protocol.return_freed_memory_to_the_system()
     server = _Server((bind, port), agent)
     port = server.server_address[1]

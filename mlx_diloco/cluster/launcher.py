@@ -86,6 +86,7 @@ class JobState:
     options: dict
     data_files: dict = field(default_factory=dict)   # worker_id -> {file name: sha256}
     restarts: int = 0
+    last_failure: str = ""    # the last failure's words, when no machine was lost: the same again is not retried
     finished: bool = False
     elastic: bool = False     # the strategy syncs every H steps: membership changes keep the workers' steps
     membership: str = ""      # who left and joined so far (membership.py's syntax; '': the config's schedule)
@@ -203,10 +204,15 @@ def check_model_here(model: str):
 
 
 def has_model(client: AgentClient, model: str) -> bool:
+    """Whether the agent's machine holds the model where its jobs may load it (allowed.py); one
+    ConfigError line when its owner does not let jobs load models from there."""
     try:
-        return client.request("has_model", model=model)["present"]
+        answer = client.request("has_model", model=model)
     except AgentError:  # it stopped answering since its hello: it cannot run the job either
         return False
+    if answer.get("refused"):
+        raise ConfigError(f"agent at {client.found.endpoint}: {answer['refused']}")
+    return answer["present"]
 
 
 def check_model(model: str, agents: list, clients: list):
@@ -274,7 +280,9 @@ class Launcher:
         check_bounds(options, config.workers)
         check_model_here(config.model)
         run_dir, resolved = Path(run_dir), resolve(config)
-        config = resolved.config
+        config = resolved.config  # the workers are sent it as resolved: the launcher says its notes
+        for note in resolved.notes:
+            log(f"[launch] {note}")
         s = resolved.strategy  # elastic: workers may come and go between syncs that fall every H steps
         elastic = s.steps_can_differ and bool(s.sync_every) and s.syncs_every_h
         grown, history = with_room_to_grow(config, options.max_workers, elastic)
@@ -367,11 +375,15 @@ class Launcher:
             self.ship(m)
         for rank, m in enumerate(members):
             files = self.state.data_files.get(str(m.worker_id))
-            self.client(m).request(
-                "start", job=self.state.job, rank=rank, worker_id=m.worker_id, config=config, hostfile=hostfile,
-                resume_step=resume[m.worker_id], collective_timeout=float(self.options.collective_timeout),
-                data={"files": files, "num_shards": self.state.num_shards} if files else {}, elastic=elastic,
-                **start_fields(ring, ports[0]))
+            try:
+                self.client(m).request(
+                    "start", job=self.state.job, rank=rank, worker_id=m.worker_id, config=config, hostfile=hostfile,
+                    resume_step=resume[m.worker_id], collective_timeout=float(self.options.collective_timeout),
+                    data={"files": files, "num_shards": self.state.num_shards} if files else {}, elastic=elastic,
+                    **start_fields(ring, ports[0]))
+            except AgentError as e:  # a refusal (what its owner does not allow) or an agent gone: said in one line
+                self._stop(members[:rank])
+                raise JobFailed(str(e)) from None
         if self.state.change:  # a restart or membership change: started now (launch.json keeps it for --resume)
             self.state.change["started_at"] = time.time()
         self.state.save(self.run_dir)
@@ -636,6 +648,9 @@ class Launcher:
         self.state.restarts += 1
         if self.state.restarts > self.options.max_restarts:
             raise JobFailed(f"gave up after {self.options.max_restarts} restarts; last failure: {failure['why']}")
+        if not failure["lost"] and failure["why"] == self.state.last_failure:  # a restart would fail so again
+            raise JobFailed(f"the same failure twice in a row, not retried: {failure['why']}")
+        self.state.last_failure = "" if failure["lost"] else failure["why"]
         if self.state.elastic:
             return self._recover_keeping_steps(failure)
         self._begin_change("restart")  # its cost is reported once every worker steps again
@@ -708,6 +723,14 @@ class Launcher:
             self.clients.pop((m.address, m.port), None)
         self.state.change["stopped_at"] = time.time()
         return lost
+
+    def _stop(self, members: list):
+        """Stop the members' workers, those whose agents answer."""
+        for m in members:
+            try:
+                self.client(m).request("stop", job=self.state.job)
+            except AgentError:
+                pass
 
     def _still_running(self, m: Member) -> bool:
         """Whether its worker still runs; notes the last step it reported."""

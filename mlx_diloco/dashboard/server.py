@@ -4,41 +4,61 @@ on sim, gym run and launch; `mlx-diloco dashboard RUN`).
 One JSON endpoint, /api/run, assembles the run folder's files at each request: config.json,
 metrics.jsonl, exchanges.jsonl, events.jsonl (the launcher's), summary.json, status.json
 (run_status.py) and ring.json (the launcher's ring, each link's kind and measured speed; a sim run's
-is its workers over its modelled link). The page (static/) asks for it every second until the run has its summary. A run's files
-are kilobytes, so each answer holds them whole; a line still being written is left for the next.
+is its workers over its modelled link). The page (static/) asks for it every second until the run
+has its summary. A run's files are kilobytes, so each answer holds them whole; a line still being
+written is left for the next. Only files inside the run folder are read (a link out of it is not
+followed), and a malformed row is passed over, said once in a log line.
 
 Bound to the loopback (the default) the page is this machine's, and a request must name a loopback
 host (a web page that rebinds its own name to 127.0.0.1 reads nothing). Bound elsewhere, the page
 and its data need a token (?token=..., in the printed URL): derived from the cluster secret for a
 cluster's run (every holder of the secret can make it: `token_for`), random otherwise. The page's
 code and libraries (/static/) hold no run data and need none.
+
+Served by aiohttp (its low-level server, on an event loop of its own): no thread per connection. A
+connection has IDLE_S to send a request and between two (aiohttp >= 3.14.4 also times out one that
+never sends any), and an answer without the token closes its connection. Past MAX_CONNECTIONS not
+yet served an allowed request, a new one closes the oldest of them: a flood of idle connections from
+a peer without the token cannot lock the page out, even under macOS's 256 open files. Out of file
+descriptors, asyncio waits a second before it accepts again (no busy loop).
 """
 
+import asyncio
 import errno
 import hashlib
 import hmac
 import ipaddress
 import json
+import logging
 import math
 import mimetypes
 import secrets
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import urlsplit
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from .. import run_status
 from ..exchange.network import parse_link
 from ..options import ConfigError
 
 STATIC = Path(__file__).parent / "static"
-ASSETS = {"/static/" + p.relative_to(STATIC).as_posix(): p for p in STATIC.rglob("*") if p.is_file()}
+# The page and its code, read once (75 KB): serving them opens no file, even out of file descriptors.
+ASSETS = {"/static/" + p.relative_to(STATIC).as_posix(): p.read_bytes() for p in STATIC.rglob("*") if p.is_file()}
+PAGE = ASSETS["/static/index.html"]
 DEFAULT_PORT = 8470
 TOKEN_LABEL = b"mlx-diloco dashboard token"
 LOGS = ("metrics", "exchanges", "events")   # NAME.jsonl, a row a line
 MAX_ROWS = 20_000                           # of each log, the newest
+IDLE_S = 5.0            # a connection's time to send a request, and between two (the page asks every second)
+MAX_CONNECTIONS = 64    # open connections not yet served an allowed request (macOS gives a process 256 files)
+BACKLOG = 128           # connections the system queues for accept
+log = logging.getLogger("mlx_diloco.dashboard")
+HTTP_LOG = logging.getLogger("mlx_diloco.dashboard.http")  # aiohttp's own: errors in serving a request
 
 
 def token_for(secret: bytes) -> str:
@@ -70,16 +90,20 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def read_json(path: Path):
-    """A JSON file's value; None when it is missing or being written."""
+def read_json(path: Path, run_dir: Path):
+    """A JSON file's value; None when it is missing, being written, or outside the run folder."""
+    if not run_status.within(run_dir, path):
+        return None
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
 
 
-def read_rows(path: Path) -> list:
+def read_rows(path: Path, run_dir: Path) -> list:
     """A JSONL log's rows, the newest MAX_ROWS; a line that is not a JSON object is passed over."""
+    if not run_status.within(run_dir, path):
+        return []
     try:
         lines = path.read_text(errors="replace").splitlines()[-MAX_ROWS:]
     except OSError:
@@ -113,18 +137,18 @@ def ranks(status: dict) -> list:
              "latency_ms": None} for w in members]
 
 
-def snapshot(run_dir: Path) -> dict:
-    """Everything the page shows of the run in `run_dir`, as it is now."""
+def snapshot(run_dir: Path, say=lambda message: None) -> dict:
+    """Everything the page shows of the run in `run_dir`, as it is now (what is passed over: `say`)."""
     run_dir = Path(run_dir)
-    config = read_json(run_dir / "config.json")
-    status = run_status.read(run_dir)
-    ring = read_json(run_dir / "ring.json")
+    config = read_json(run_dir / "config.json", run_dir)
+    status = run_status.read(run_dir, say)
+    ring = read_json(run_dir / "ring.json", run_dir)
     if not isinstance(ring, list):  # a sim run's modelled ring, or a cluster's before the launcher's ring.json
         cluster = (run_dir / "launch.json").exists() or (status or {}).get("source") == "launch"
         ring = ranks(status or {}) if cluster else modelled_ring(config)
     return {"run": run_dir.resolve().name, "folder": str(run_dir), "time": time.time(), "config": config,
-            "summary": read_json(run_dir / "summary.json"), "status": status, "ring": ring, "states": run_status.STATES,
-            **{name: read_rows(run_dir / f"{name}.jsonl") for name in LOGS}}
+            "summary": read_json(run_dir / "summary.json", run_dir), "status": status, "ring": ring,
+            "states": run_status.STATES, **{name: read_rows(run_dir / f"{name}.jsonl", run_dir) for name in LOGS}}
 
 
 def finite(value):
@@ -140,8 +164,9 @@ def finite(value):
 
 
 class Dashboard:
-    """The page of the run in `run_dir`, served on HOST:PORT from daemon threads until `close()` or
-    the process ends. Port 0: any free one; the default port, when taken: any free one."""
+    """The page of the run in `run_dir`, served on HOST:PORT by aiohttp from an event loop on a daemon
+    thread until `close()` or the process ends. Port 0: any free one; the default port, when taken:
+    any free one."""
 
     def __init__(self, run_dir, host: str = "127.0.0.1", port: int = DEFAULT_PORT, secret: bytes = None):
         self.run_dir, self.host = Path(run_dir), host
@@ -149,14 +174,25 @@ class Dashboard:
         if not 0 <= port <= 65535:
             raise ConfigError(f"the dashboard's port must be 0 to 65535, not {port} (0: any free one)")
         try:
-            self.httpd = _Server(host, port, self)
+            sock = _listen(host, port)
         except OSError as e:
             if port != DEFAULT_PORT or e.errno != errno.EADDRINUSE:
                 raise ConfigError(f"the dashboard cannot listen on {host}:{port} ({e.strerror}); pass another "
                                   "--dashboard HOST:PORT (port 0: any free one)") from None
-            self.httpd = _Server(host, 0, self)
-        self.port = self.httpd.server_address[1]
-        threading.Thread(target=self.httpd.serve_forever, name="dashboard", daemon=True).start()
+            sock = _listen(host, 0)
+        self.port = sock.getsockname()[1]
+        self.said = set()  # what was logged about the run folder: each thing once
+        self.loop = asyncio.new_event_loop()
+        self.loop.set_exception_handler(_LoopErrors())
+        self.server = _Server(self._answer, keepalive_timeout=IDLE_S, access_log=None, logger=HTTP_LOG, loop=self.loop)
+        self.runner = web.ServerRunner(self.server, shutdown_timeout=1.0)
+        self.loop.run_until_complete(self._start(sock))
+        self.thread = threading.Thread(target=self.loop.run_forever, name="dashboard", daemon=True)
+        self.thread.start()
+
+    async def _start(self, sock: socket.socket):
+        await self.runner.setup()
+        await web.SockSite(self.runner, sock, backlog=BACKLOG).start()
 
     @property
     def url(self) -> str:
@@ -174,45 +210,86 @@ class Dashboard:
             return False
         return is_loopback(name)
 
+    async def _answer(self, request: web.BaseRequest) -> web.Response:
+        if request.path in ASSETS:
+            return _response(200, ASSETS[request.path], mimetypes.guess_type(request.path)[0])
+        if not self.allows(request.headers.get("Host"), request.query.get("token", "")):
+            refused = _response(403, b"forbidden: open the URL the dashboard printed, with its ?token=\n")
+            refused.force_close()  # no second try on this connection: it frees its place at once
+            return refused
+        self.server.served.add(request.protocol)
+        if request.path == "/":
+            return _response(200, PAGE, "text/html; charset=utf-8")
+        if request.path == "/api/run":
+            try:
+                run = snapshot(self.run_dir, self._say_once)
+            except OSError as e:  # out of file descriptors, say: the page asks again in a second
+                return _response(503, f"cannot read the run folder now ({e.strerror})\n".encode())
+            return _response(200, json.dumps(finite(run), default=str).encode(), "application/json")
+        return _response(404, b"not found\n")
+
+    def _say_once(self, message: str):
+        if message not in self.said:
+            self.said.add(message)
+            log.warning("dashboard of %s: %s", self.run_dir, message)
+
     def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(timeout=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.loop.close()
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, host: str, port: int, dashboard: Dashboard):
-        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.dashboard = dashboard
-        super().__init__((host, port), _Handler)
+def _listen(host: str, port: int) -> socket.socket:
+    return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                backlog=BACKLOG)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
+def _response(status: int, body: bytes, kind: str = "text/plain; charset=utf-8") -> web.Response:
+    return web.Response(status=status, body=body, headers={
+        "Content-Type": kind or "application/octet-stream", "Cache-Control": "no-store",
+        "X-Content-Type-Options": "nosniff"})
 
-    def do_GET(self):
-        url = urlsplit(self.path)
-        if url.path in ASSETS:
-            return self._send(200, ASSETS[url.path].read_bytes(), mimetypes.guess_type(url.path)[0])
-        board = self.server.dashboard
-        if not board.allows(self.headers.get("Host"), parse_qs(url.query).get("token", [""])[0]):
-            return self._send(403, b"forbidden: open the URL the dashboard printed, with its ?token=\n")
-        if url.path == "/":
-            return self._send(200, (STATIC / "index.html").read_bytes(), "text/html; charset=utf-8")
-        if url.path == "/api/run":
-            return self._send(200, json.dumps(finite(snapshot(board.run_dir)), default=str).encode(),
-                              "application/json")
-        self._send(404, b"not found\n")
 
-    def _send(self, code: int, body: bytes, kind: str = "text/plain; charset=utf-8"):
-        self.send_response(code)
-        self.send_header("Content-Type", kind or "application/octet-stream")
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
-        self.send_header("X-Content-Type-Options", "nosniff")
-        self.end_headers()
-        self.wfile.write(body)
+class _Server(web.Server):
+    """aiohttp's server, holding at most MAX_CONNECTIONS that have not been served an allowed request:
+    past that, a new connection closes the oldest of them. A flood opened before the page's own
+    connection is pushed out by it; the page's, answered within a round trip, stays."""
 
-    def log_message(self, format, *args):  # a request a second: not for the terminal
-        pass
+    def __init__(self, handler, **kwargs):
+        super().__init__(handler, **kwargs)
+        self.served = set()  # open connections (aiohttp's RequestHandler) that had an allowed answer
+
+    def connection_made(self, handler, transport):
+        super().connection_made(handler, transport)
+        unproven = [c for c in self.connections if c not in self.served]
+        if len(unproven) > MAX_CONNECTIONS:
+            unproven[0].force_close()
+
+    def connection_lost(self, handler, exc=None):
+        super().connection_lost(handler, exc)
+        self.served.discard(handler)
+
+
+class _MalformedRequests(logging.Filter):
+    """Leaves out aiohttp's traceback for a malformed request: the peer is answered 400, and hostile
+    input must not fill the terminal of the run it watches."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], HttpProcessingError))
+
+
+HTTP_LOG.addFilter(_MalformedRequests())
+
+
+class _LoopErrors:
+    """The event loop's errors (out of file descriptors: asyncio waits a second before it accepts
+    again) as one log line a minute, not a traceback a second."""
+
+    def __init__(self):
+        self.last = -math.inf
+
+    def __call__(self, loop, context: dict):
+        if time.monotonic() - self.last > 60:
+            self.last = time.monotonic()
+            log.warning("dashboard: %s (%s)", context.get("message"), context.get("exception"))

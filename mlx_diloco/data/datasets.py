@@ -21,11 +21,11 @@ import numpy as np
 
 from ..atomic import atomic_write_bytes
 from ..config import ConfigError
+from . import EMBEDDED, FASHION_MNIST  # noqa: F401 (the rest imports them from here too)
+from .hf_tokenizer import hf_tokenizer
 from .jsonl import is_jsonl, load_jsonl
 
 VAL_FRACTION = 0.05
-EMBEDDED = "shakespeare"
-FASHION_MNIST = "fashion-mnist"
 FASHION_MNIST_FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
                        "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
 FASHION_MNIST_URL = "https://github.com/zalandoresearch/fashion-mnist/tree/master/data/fashion"
@@ -113,9 +113,8 @@ class Tokenizer:
             self._hf = None
             self.vocab_size = self._fast.get_vocab_size()
         else:
-            from mlx_lm.utils import load_tokenizer
             self._fast = None
-            self._hf = load_tokenizer(self.folder)
+            self._hf = hf_tokenizer(self.folder)
             self.vocab_size = len(self._hf.vocab)
 
     def encode(self, text: str) -> list:

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from ..options import ConfigError
+from .hf_tokenizer import hf_tokenizer
 
 IGNORE = -1  # a target the loss leaves out
 SPLITS = ("train", "valid", "test")
@@ -59,6 +60,27 @@ def format_of(record: dict) -> str:
     return "chat" if "messages" in record else "text" if "text" in record else ""
 
 
+def text_problem(kind: str, record: dict) -> str:
+    """What in a record of `kind` is not the text mlx-lm's templates take ('' if nothing): a chat
+    message's content of 5 would otherwise train as the characters "5"."""
+    if kind == "chat":
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            return '"messages" is not a list of messages'
+        fields = {}
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                return f'messages[{i}] is not a {{"role": ..., "content": ...}} object'
+            if not (message.get("tool_calls") and message.get("content") is None):  # a tool call may have none
+                fields[f'messages[{i}]\'s "content"'] = message.get("content")
+    else:
+        fields = {f'"{k}"': record[k] for k in (("text",) if kind == "text" else ("prompt", "completion"))}
+    for name, value in fields.items():
+        if not isinstance(value, str):
+            return f"{name} is {json.dumps(value)[:40]}, not a string"
+    return ""
+
+
 def tokenize_file(path: Path, tokenizer, mask_prompt: bool) -> list:
     """[(tokens, offset)] of the file's records, by mlx-lm's dataset class for the file's format
     (its first record's); offset: where the trained tokens start (mask-prompt), else 0."""
@@ -71,6 +93,8 @@ def tokenize_file(path: Path, tokenizer, mask_prompt: bool) -> list:
             found = f"the keys {', '.join(sorted(record)) or 'none'}"
             expected = f"like line {first_line}'s, a {kind} record" if kind else FORMATS
             raise ConfigError(f"{path} line {number} has {found}; give each line one record {expected}")
+        if problem := text_problem(kind, record):
+            raise ConfigError(f"{path} line {number}: {problem}; write it as text (\"...\")")
     if kind != "text" and not tokenizer.has_chat_template:
         raise ConfigError(f"{path} line {first_line}: {kind} records need a chat template, and the tokenizer "
                           f"has none; use an instruct model's folder (whose tokenizer_config.json has a "
@@ -132,11 +156,10 @@ def load_jsonl(source: str, seq_len: int, tokenizer_dir: str, mask_prompt: bool,
     model's tokenizer, padded to one width (the longest example's, rounded up to PAD_TO, at most seq-len:
     every worker's batch has the same shape, and the step compiles once). Without valid.jsonl, the
     last `val_fraction` of train's examples are held out."""
-    from mlx_lm.utils import load_tokenizer
     if not tokenizer_dir:
         raise ConfigError(f"JSONL data {source} needs the model's tokenizer: pass --model a model folder "
                           "(or --tokenizer FOLDER)")
-    tokenizer = load_tokenizer(Path(tokenizer_dir))
+    tokenizer = hf_tokenizer(Path(tokenizer_dir))
     files = split_files(Path(source))
     splits = {name: tokenize_file(path, tokenizer, mask_prompt) for name, path in files.items()}
     if "valid" not in splits:

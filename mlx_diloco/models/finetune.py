@@ -49,20 +49,13 @@ def adapted_blocks(config, num_blocks: int):
 
 
 def check_fine_tune(config, spec):
-    """Before any data is read: adapters need an mlx-lm model, with num-layers blocks or more."""
+    """Before any data is read: adapters need an mlx-lm model."""
     if config.fine_tune_type not in ADAPTER_TYPES:
         return
     if spec.type in ("gpt", "cnn"):
         raise ConfigError(f"fine-tune-type {config.fine_tune_type} needs an mlx-lm model (a model folder, or a "
                           f"preset of an mlx-lm type such as llama); the {spec.type} preset has no `layers` to put "
                           "adapters on; use --fine-tune-type full")
-    check_num_layers(config, spec.num_blocks)
-
-
-def check_num_layers(config, num_blocks: int):
-    if num_blocks and config.num_layers > num_blocks:  # mlx_lm.lora refuses it too
-        raise ConfigError(f"num-layers {config.num_layers} but the model has {num_blocks} blocks; pass "
-                          f"--num-layers {num_blocks} or fewer (-1: all)")
 
 
 def is_quantized(model: nn.Module) -> bool:
@@ -82,7 +75,6 @@ def apply_fine_tune(model: nn.Module, config) -> nn.Module:
     if not isinstance(layers, list) or not layers:
         raise ConfigError(f"fine-tune-type {kind} needs an mlx-lm model, whose blocks are `model.layers`; "
                           "this model has none; use --fine-tune-type full")
-    check_num_layers(config, len(layers))
     from mlx_lm.tuner.utils import linear_to_lora_layers
     model.freeze()  # the base; the adapters made next are trainable
     check_lora_keys(config, model)

@@ -7,7 +7,8 @@ A folder holding an mlx-lm model (config.json + *.safetensors) is loaded with it
 fine-tuning. `package.module:function` names a builder of your own: called with no arguments, it
 returns an mlx.nn.Module; a `preset` dict on the function gives what the run needs to know
 (`vocab_size` and `context_length` for a language model, `language_model: False` for images).
-On a cluster the module must be importable on every machine.
+On a cluster the module must be installed on every machine, whose agents run such names only when
+started with --allow-code (cluster/allowed.py).
 """
 
 import contextlib

@@ -93,12 +93,14 @@ class DESLOC(Strategy):
         self.template = placeholders(params)  # the tree's shape, to find each parameter's moments
 
     def after_step(self, params, step):
+        moments = [(moment, what) for moment, (_, _, what) in MOMENTS.items()
+                   if self.period(moment) and step % self.period(moment) == 0]
         if step % self.sync_every == 0 or step == self.steps:
             params = self.average(params, "parameters")
-        for moment, (_, _, what) in MOMENTS.items():
-            K = self.period(moment)
-            if K and step % K == 0:
-                self.average_moment(moment, what)
+        elif moments:  # an exchange of moments alone: a NaN in the weights stops every worker now, not later
+            self.comm.check_finite(params, "its parameters")
+        for moment, what in moments:
+            self.average_moment(moment, what)
         return params
 
     def average(self, tree, tag: str):

@@ -47,6 +47,9 @@ class TrainingCallback:
     def on_train_end(self, summary: dict):
         """After `Run.train`'s last step: the run's summary (summary.json)."""
 
+    def on_train_stopped(self, info: dict):
+        """`Run.train` stopped early, on an error or a request to stop: {"step": steps done}."""
+
 
 class MetricsFile(TrainingCallback):
     """The run folder's metrics.jsonl (a row per evaluation), exchanges.jsonl (a row per exchange of
@@ -92,6 +95,9 @@ class ProgressBar(TrainingCallback):
     def on_train_end(self, summary):
         self.bar.update(summary["steps"] - self.bar.n)  # with the steps a slower worker waited out
         self.bar.close()
+
+    def on_train_stopped(self, info):
+        self.bar.close()  # its line ended: what stopped the run is said on a line of its own
 
 
 class ProgressFile(TrainingCallback):

@@ -29,6 +29,7 @@ class Resolved:
     config: TrainConfig           # as the run will use and record it
     strategy: object              # the run's strategies.Strategy, with the config's options
     spec: object                  # the model's models.zoo.ModelSpec
+    notes: tuple = ()             # what was changed from the config as given, for the run to say once
 
 
 def resolve(config: TrainConfig) -> Resolved:
@@ -52,13 +53,19 @@ def resolve(config: TrainConfig) -> Resolved:
         raise ConfigError(f"model '{config.model}' does not fit data '{config.data}': "
                           "the cnn preset trains on fashion-mnist, language models on text")
     check_fine_tune(config, spec)
+    notes = []
+    blocks = adapted_blocks(config, spec.num_blocks)
+    if spec.num_blocks and blocks is not None and config.num_layers > blocks:
+        notes.append(f"num-layers {config.num_layers} is more than the model's {blocks} blocks: adapters on all "
+                     f"{blocks}, as mlx-lm puts them")
+        config = replace(config, num_layers=blocks)
     strategy.check_model(spec, adapted_blocks(config, spec.num_blocks))  # adapters: what the strategy exchanges
     if config.seq_len == 0 and spec.is_language_model and not arrays:
         config = replace(config, seq_len=min(spec.context_length, DEFAULT_MAX_SEQ_LEN))
     if spec.is_language_model and config.seq_len > spec.context_length:
         raise ConfigError(f"seq-len {config.seq_len} exceeds model '{config.model}' context "
                           f"{spec.context_length}; pass --seq-len {spec.context_length} or less")
-    return Resolved(config, strategy, spec)
+    return Resolved(config, strategy, spec, tuple(notes))
 
 
 def load_data(config: TrainConfig, spec, log=print, shard_dir=None):

@@ -162,6 +162,8 @@ class Run:
             check_new_run_dir(self.run_dir)
         resolved = resolve(config) if parts is None else None
         self.config = config = resolved.config if resolved else config
+        for note in resolved.notes if resolved and reporter else ():
+            log(note)
         ring = len(place.ring_slots) if place.ring_slots else config.workers
         if comm.num_workers != ring:
             raise ConfigError(f"the job has {comm.num_workers} workers but the config says {ring}")
@@ -256,14 +258,18 @@ class Run:
         MLX held to the config's memory limit; the run's summary."""
         with memory_limit(self.config.memory_limit):
             self._report("on_train_begin", {"step": self.steps_done, "steps": self.config.steps})
-            while self.steps_done < self.config.steps:
-                if self.stop_requests and (why := self._why_stop()):
-                    self.save_local_state()
-                    self._report_stop(why)
-                    raise StoppedForChange(why)
-                self.step()
-                if stop_after is not None and self.steps_done >= stop_after:
-                    break
+            try:
+                while self.steps_done < self.config.steps:
+                    if self.stop_requests and (why := self._why_stop()):
+                        self.save_local_state()
+                        self._report_stop(why)
+                        raise StoppedForChange(why)
+                    self.step()
+                    if stop_after is not None and self.steps_done >= stop_after:
+                        break
+            except BaseException:
+                self._report("on_train_stopped", {"step": self.steps_done})
+                raise
             self.peak_memory = self._peak_memory()  # the last global evaluation and checkpoint included
             summary = self.summary()
         self._report("on_train_end", summary)
@@ -371,10 +377,14 @@ class Run:
         waiting for the link, waiting for slower workers (comm.py measures both waits); and its model
         FLOPs utilisation over its wall-clock time (utilisation.py)."""
         wall = time.time() - self.wall_start
+        rate = self.tokens_here / wall if wall > 0 else None
+        gflops = rate and self.peak_gflops and self.flops_per_token * rate / 1e9
+        if gflops and gflops > self.peak_gflops:  # the peak was measured while other work ran (utilisation.py)
+            self.peak_gflops = peak_gflops(beaten_by=gflops)
         return {"compute_s": self.compute_s * self.comm.n_local,
                 "link_s": self.waited_s["link_s"] + self.comm.wait_s - self.comm.straggler_s,
                 "straggler_s": self.waited_s["straggler_s"] + self.comm.straggler_s,
-                "mfu": mfu(self.flops_per_token, self.tokens_here / wall, self.peak_gflops) if wall > 0 else None}
+                "mfu": mfu(self.flops_per_token, rate, self.peak_gflops) if rate is not None else None}
 
     # ------------------------------------------------------------ membership
     def _change_membership(self, step: int):

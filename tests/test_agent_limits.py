@@ -1,0 +1,260 @@
+"""What a holder of the cluster secret may make an agent do on its machine (issue 36): run no code
+but mlx-diloco's own (a shipped data file named evil.py is never imported; builders only with
+--allow-code), read models and data only under the folders its owner allowed, keep no abandoned
+upload, and answer hostile requests with one line each, no traceback in its log. And a relative
+--state-dir works; a failure that repeats word for word is not retried."""
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import tiny_config
+from mlx_diloco.cluster import protocol
+from mlx_diloco.cluster.discovery import AgentClient, AgentError, Found
+
+SECRET = "agent-limits-secret-0123456789"
+
+
+class LiveAgent:
+    """A real `mlx-diloco agent` on the loopback, in its own process, with `flags`."""
+
+    def __init__(self, folder, *flags, state_dir=None, cwd=None):
+        self.log = folder / "agent.log"
+        self.state = state_dir or folder / "state"
+        self.proc = subprocess.Popen([sys.executable, "-m", "mlx_diloco", "agent", "--no-mdns", "--bind", "127.0.0.1",
+                                      "--port", "0", "--state-dir", str(self.state), *map(str, flags)],
+                                     stdout=subprocess.PIPE, stderr=open(self.log, "w"), text=True, cwd=cwd,
+                                     env={**os.environ, "MLX_DILOCO_SECRET": SECRET})
+        line = self.proc.stdout.readline()
+        found = re.search(r"ready on port (\d+)", line)
+        assert found, self.log.read_text()
+        self.port = int(found.group(1))
+        self.client = AgentClient(Found("127.0.0.1", self.port), SECRET.encode())
+
+    def close(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def agent(tmp_path):
+    a = LiveAgent(tmp_path, "--models-dir", tmp_path / "models", "--data-dir", tmp_path / "data")
+    yield a
+    a.close()
+
+
+def ship(client, data: bytes) -> str:
+    """Send `data` as a blob, as a launcher ships a data file; its digest."""
+    digest = hashlib.sha256(data).hexdigest()
+    client.request("put_chunk", digest=digest, offset=0, size=len(data), data=data)
+    return digest
+
+
+def start(client, config: dict, files: dict = None, job="j"):
+    return client.request("start", job=job, rank=0, worker_id=0, config=config, hostfile=[["127.0.0.1:1"]],
+                          data={"files": files, "num_shards": 1} if files else {}, resume_step=None,
+                          collective_timeout=30)
+
+
+def finished(agent, job: str) -> dict:
+    """The status of the job's worker once it has exited."""
+    deadline = time.time() + 120
+    while (status := agent.client.request("status", job=job, metrics_from=0, exchanges_from=protocol.NO_LOG,
+                                          log_from=0))["state"] == "running":
+        assert time.time() < deadline
+        time.sleep(0.2)
+    return status
+
+
+EVIL = "import pathlib\npathlib.Path({marker!r}).write_text('ran')\ndef build():\n    pass\nloss = build\n"
+
+
+@pytest.mark.parametrize("key", ["model", "loss"])
+def test_a_shipped_python_file_is_never_imported(tmp_path, key):
+    """The attack of issue 36: a data file evil.py lands in jobs/JOB/data-0/, and a config naming
+    `data-0.evil:build` made the worker import it (it was on sys.path: the worker's working folder).
+    Without --allow-code the agent refuses the name in one line; with it, the worker looks for the
+    module among those installed, does not find it, and the file never runs."""
+    from mlx_diloco.cluster.launcher import cut_shards
+    marker = tmp_path / "outside-the-state-folder"
+    config = tiny_config(workers=1, steps=2)
+    shard = cut_shards(config, 1, tmp_path / "shards", log=lambda m: None)["0"]  # a real shard beside it
+    config = {**config.to_dict(), key: "data-0.evil:build"}
+    for flags in ([], ["--allow-code"]):
+        agent = LiveAgent(tmp_path, *flags)
+        try:
+            for name, digest in shard.items():
+                ship(agent.client, (tmp_path / "shards" / "worker-0" / name).read_bytes())
+            files = {**shard, "evil.py": ship(agent.client, EVIL.format(marker=str(marker)).encode())}
+            if not flags:
+                with pytest.raises(AgentError) as refused:
+                    start(agent.client, config, files)
+                what = "model" if key == "model" else "loss function"
+                assert str(refused.value).endswith(
+                    f"refused 'start': {what} 'data-0.evil:build' names Python code (package.module:function), "
+                    "which this agent imports only when started with --allow-code")
+                continue
+            start(agent.client, config, files)
+            status = finished(agent, "j")
+            assert status["returncode"] == 2, status["log"]
+            assert "cannot load" in status["log_tail"] and "'data-0.evil:build'" in status["log_tail"]
+        finally:
+            agent.close()
+        assert (agent.state / "jobs" / "j" / "data-0" / "evil.py").exists()  # it was there to import
+    assert not marker.exists()
+
+
+def test_models_and_data_resolve_only_under_the_folders_the_owner_allowed(agent, tmp_path):
+    from conftest import tiny_llama_folder
+    from mlx_diloco.cluster.allowed import hf_cache
+    allowed = tiny_llama_folder(tmp_path / "models" / "llama")
+    elsewhere = tiny_llama_folder(tmp_path / "elsewhere")  # as ~/.ssh would be: a folder the owner did not name
+    (tmp_path / "models" / "link-out").symlink_to(elsewhere)
+    ask = lambda model: agent.client.request("has_model", model=model)
+    assert ask(str(allowed))["present"] and not ask(str(allowed))["refused"]
+    for model in (str(elsewhere), str(tmp_path / "models" / "link-out"), "/etc"):
+        answer = ask(model)
+        assert not answer["present"] and answer["folder"] == ""
+        assert answer["refused"] == (
+            f"model '{model}' is outside the folders this agent's jobs may read it from ({tmp_path / 'models'}, "
+            f"{hf_cache()}); start the agent with --models-dir naming a folder that holds it"), answer
+    assert ask("models/llama/x")["refused"].startswith("model 'models/llama/x' must be an absolute path")
+    assert ask("x" * 100_000)["refused"] == "model name of 100000 characters: not a path"
+    assert ask("a\0b")["refused"] == "model name of 3 characters with a NUL byte: not a path"
+    assert ask(str(agent.state / "jobs"))["refused"].endswith("is in this agent's state folder, which holds what "
+                                                              "launchers send; name it elsewhere")
+    # A job's paths, read by its worker: the data (read there with --data-on-workers), the tokenizer.
+    base = tiny_config(workers=1, steps=2).to_dict()
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "text.txt").write_text("hello " * 1000)
+    for change, why in ((dict(data="/etc/passwd"), "data '/etc/passwd' is outside the folders this agent's jobs may "
+                                                   f"read it from ({tmp_path / 'data'}); start the agent with --data-dir"),
+                        (dict(tokenizer=str(elsewhere)), f"tokenizer '{elsewhere}' is outside the folders"),
+                        (dict(model=str(elsewhere)), f"model '{elsewhere}' is outside the folders")):
+        with pytest.raises(AgentError, match="refused 'start': " + re.escape(why)):
+            start(agent.client, {**base, **change})
+    start(agent.client, {**base, "data": str(tmp_path / "data" / "text.txt")}, job="allowed")  # accepted
+    assert finished(agent, "allowed")["returncode"] == 0
+    assert list((agent.state / "cache" / "text").iterdir())  # its token cache: in the state folder
+    assert "Traceback" not in agent.log.read_text()
+
+
+def test_uploads_must_fit_the_disk_and_abandoned_ones_expire(agent):
+    from mlx_diloco.cluster.agent import UPLOAD_MAX_AGE_S
+    with pytest.raises(AgentError, match=r"refused 'put_chunk': a blob of 1000\.0 GB does not fit: .* GB of this "
+                                         r"machine's disk is free for uploads \(with 1 GB kept free\); free some disk"):
+        agent.client.request("put_chunk", digest="a" * 64, offset=0, size=10 ** 12, data=b"x" * 10)
+    # An upload its launcher abandoned: half sent, then nothing for longer than UPLOAD_MAX_AGE_S.
+    agent.client.request("put_chunk", digest="b" * 64, offset=0, size=100, data=b"x" * 50)
+    partial = agent.state / "blobs" / ("b" * 64 + ".partial")
+    old = time.time() - UPLOAD_MAX_AGE_S - 1
+    os.utime(partial, (old, old))
+    ship(agent.client, b"another upload")
+    assert not partial.exists() and "removed an upload unfinished" in agent.log.read_text()
+
+
+HOSTILE = [
+    ("has_model", dict(model="m" * 100_000)),
+    ("has_model", dict(model="\0")),
+    ("has_model", dict(model="../" * 2000)),
+    ("has_blob", dict(digest="x" * 100_000)),
+    ("put_chunk", dict(digest="c" * 64, offset=-5, size=10, data=b"x")),
+    ("put_chunk", dict(digest="c" * 64, offset=0, size=-1, data=b"x")),
+    ("put_chunk", dict(digest="c" * 64, offset=0, size=(1 << 63) - 1, data=b"x")),
+    ("start", dict(job="j", rank=0, worker_id=0, config={"model": "m" * 100_000}, hostfile=[["127.0.0.1:1"]], data={},
+                   resume_step=None, collective_timeout=30)),
+    ("start", dict(job="j", rank=0, worker_id=0, config={"data": "\0"}, hostfile=[["127.0.0.1:1"]], data={},
+                   resume_step=None, collective_timeout=30)),
+    ("start", dict(job="j", rank=0, worker_id=0, config={"workers": 1}, hostfile=[["127.0.0.1:1"]], data={"files": "x"},
+                   resume_step=None, collective_timeout=30)),
+    ("start", dict(job="j", rank=0, worker_id=0, config={"workers": 1}, hostfile=[["127.0.0.1:1"]],
+                   data={"files": {"a": "b" * 64}, "num_shards": "two"}, resume_step=None, collective_timeout=30)),
+    ("start", dict(job="j", rank=0, worker_id=0, config={"workers": 1}, hostfile=[["127.0.0.1:1"]], data={}, resume_step=None,
+                   collective_timeout=30, elastic="x")),
+    ("start", dict(job="j", rank=0, worker_id=0, config={"workers": 1}, hostfile=[[5]], data={}, resume_step=None,
+                   collective_timeout=30, elastic={"ring_slots": "x"})),
+    ("start", dict(job="j", rank=0, worker_id=(1 << 63) - 1, config={"workers": 1}, hostfile=[["127.0.0.1:1"]], data={},
+                   resume_step=None, collective_timeout=float("nan"))),
+    ("status", dict(job="j" * 65, metrics_from=0, exchanges_from=0, log_from=0)),
+    ("status", dict(job="j", metrics_from=-(1 << 63), exchanges_from=0, log_from=-1)),
+    ("save_and_exit", dict(job="j", when="now", after=(1 << 63) - 1)),
+    ("measure_link", dict(job="l", rank=0, hostfile=[["127.0.0.1:1"], ["127.0.0.1:2"]], sizes=["a"],
+                          link_kind="ethernet", peer={"id": 5, "host": None}, collective_timeout=5)),
+]
+
+
+def test_hostile_requests_get_one_line_and_no_traceback(agent):
+    """Requests signed with the secret but built to break the agent: each is refused in one line (or,
+    asking for nothing it has, answered so), the agent logs no traceback, and it still answers."""
+    for kind, fields in HOSTILE:
+        try:
+            why = agent.client.request(kind, **fields).get("refused", "")  # has_model answers, saying why not
+        except AgentError as e:
+            why = str(e)
+        assert "\n" not in why and len(why) < 600, (kind, why[:600])
+    log = agent.log.read_text()
+    assert "Traceback" not in log, log[-3000:]
+    assert agent.client.request("heartbeat")["type"] == "ok"
+
+
+# ---------------------------------------------------------------- launch against such agents
+
+def launch(tmp_path, agent, *flags):
+    config = tiny_config(workers=1, steps=4, sync_every=2)
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in config.to_dict().items() if not isinstance(v, bool)]
+    return subprocess.run([sys.executable, "-m", "mlx_diloco", "launch", *args, f"--hosts=127.0.0.1:{agent.port}",
+                           "--run-dir", str(tmp_path / "run"), *flags], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "MLX_DILOCO_SECRET": SECRET})
+
+
+def failures(tmp_path) -> list:
+    return [e for e in map(json.loads, (tmp_path / "run" / "events.jsonl").read_text().splitlines())
+            if e["event"] == "failure"]
+
+
+def test_an_agent_with_a_relative_state_dir_runs_jobs(tmp_path):
+    """Its workers were handed state/jobs/JOB/job.json and read it from the job folder: every job failed."""
+    (tmp_path / "home").mkdir()
+    agent = LiveAgent(tmp_path, state_dir="state", cwd=tmp_path / "home")
+    try:
+        out = launch(tmp_path, agent)
+    finally:
+        agent.close()
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "0 restart(s)" in out.stdout and (tmp_path / "home" / "state" / "jobs").is_dir()
+
+
+def test_launch_stops_a_failure_that_repeats_word_for_word_and_shows_the_worker_s_line(tmp_path):
+    """A loss function the machine lacks fails every start the same way: one restart, then the
+    worker's line, rather than five restarts of the same error."""
+    agent = LiveAgent(tmp_path, "--allow-code", "--name", "mini1")
+    try:
+        out = launch(tmp_path, agent, "--loss=no_such_module:loss")
+    finally:
+        agent.close()
+    assert out.returncode == 2
+    worker_line = ("mlx-diloco: error: cannot load loss function 'no_such_module:loss' (ModuleNotFoundError: No module "
+                   "named 'no_such_module'); make the module importable (pip install it, or put its folder on "
+                   "PYTHONPATH) on every machine")
+    assert out.stderr.strip().splitlines()[-1] == ("mlx-diloco: error: job failed: the same failure twice in a row, not "
+                                                   "retried: worker 0 (mini1) failed: it exited with code 2: "
+                                                   + worker_line)
+    assert len(failures(tmp_path)) == 2
+
+
+def test_launch_says_in_one_line_what_an_agent_does_not_allow(tmp_path):
+    agent = LiveAgent(tmp_path)
+    try:
+        out = launch(tmp_path, agent, "--loss=no_such_module:loss")
+    finally:
+        agent.close()
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
+        f"mlx-diloco: error: job failed: agent at 127.0.0.1:{agent.port} refused 'start': loss function "
+        "'no_such_module:loss' names Python code (package.module:function), which this agent imports only when "
+        "started with --allow-code")
