@@ -10,6 +10,9 @@
    of random pseudo-gradients, through the real Fragment and simulated exchange; the error of the
    global model against exact fp32 averaging, relative to the total step, with and without
    feedback, and their ratio (the issue's target: <= 0.3 at M = 3, 4, 8 for int4 and e3m0).
+3. NoLoCo through a codec (issue 39: why it takes fp32 only): the outer step of two workers, the pair
+   mean of their weights minus phi, through each codec against fp32, for 65,536 unit-scale weights
+   that moved by 1e-2, 1e-3 and 1e-4 of their size.
 
 Runs on any version of the package (it uses only Codec.roundtrip, wire_bytes, Fragment and the
 simulator): copy it out of the tree and set PYTHONPATH to an older checkout to measure that one.
@@ -67,6 +70,16 @@ def cumulative_error(codec_name: str, M: int, feedback: bool, rounds: int = 30, 
     return float(np.linalg.norm(np.array(fragment.global_values) - exact) / np.linalg.norm(exact))
 
 
+def noloco_step_error(codec_name: str, moved: float, n: int = 65536) -> float:
+    """||step through the codec - exact step|| / ||exact step||, NoLoCo's step mean(theta) - phi."""
+    rng = np.random.default_rng(0)
+    phi = rng.standard_normal(n).astype(np.float32)
+    theta = mx.array(phi + moved * rng.standard_normal((2, n)).astype(np.float32))
+    comm = SimCommunicator(2)
+    exact, lossy = (comm.start_pair_mean(theta, [1, 0], name).result() - phi for name in ("fp32", codec_name))
+    return float(mx.linalg.norm(lossy - exact) / mx.linalg.norm(exact))
+
+
 def main():
     names = list(codecs.CODECS) + list(getattr(codecs, "VARIANTS", {}))
     default = getattr(codecs, "DEFAULT_ROUNDING", "nearest")  # (the starting code had one rounding for all)
@@ -88,6 +101,12 @@ def main():
         for M in (2, 3, 4, 8):
             without, with_ = cumulative_error(name, M, False), cumulative_error(name, M, True)
             print(f"{name:16}{M:>3}{without:>10.4f}{with_:>10.4f}{with_ / without:>7.2f}x", flush=True)
+
+    moved = (1e-2, 1e-3, 1e-4)
+    print("\n3. NoLoCo: error of the outer step of unit-scale weights that moved by a share of their size, per codec")
+    print(f"{'codec':16}" + "".join(f"{f'moved {m:g}':>14}" for m in moved))
+    for name in ("bf16", "fp16", "int8", "int4"):
+        print(f"{name:16}" + "".join(f"{noloco_step_error(name, m):>14.1%}" for m in moved), flush=True)
 
 
 if __name__ == "__main__":

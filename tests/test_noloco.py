@@ -1,5 +1,5 @@
 """NoLoCo (strategies/noloco.py): its outer step against a numpy transcription of the authors' code,
-its ring-neighbour pairings, the pair mean's bytes, and a NaN stopping the run."""
+its ring-neighbour pairings, the pair mean's bytes, a NaN stopping the run, and only exact codecs."""
 
 import json
 
@@ -11,6 +11,7 @@ from mlx.utils import tree_flatten
 from conftest import assert_same_arrays, resumed_run, tiny_config
 from mlx_diloco.exchange.codecs import CHECK_BYTES, get_codec
 from mlx_diloco.exchange.comm import NonFiniteValues, SimCommunicator
+from mlx_diloco.options import ConfigError
 from mlx_diloco.strategies.noloco import NoLoCo, pairing
 from mlx_diloco.training.run import Run
 
@@ -74,6 +75,36 @@ def test_a_pair_ends_with_one_mean_and_a_lone_worker_with_its_own():
         assert np.array_equal(out[0], out[1]) and np.array_equal(out[2], np.array(x[2]))
         decoded = np.array(get_codec(codec).roundtrip(x[:2], salt=mx.array([0, 1])))
         np.testing.assert_allclose(out[0], decoded.mean(axis=0), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8", "int4", "int2", "e3m0", "int4-stochastic"])
+def test_a_lossy_codec_is_refused_in_one_line(codec, tmp_path):
+    """Each worker sends its weights, so a codec's error is a fraction of the weights, not of the
+    outer step (issue 39: on unit-scale weights that moved by 1e-3, the step came out 21% wrong with
+    fp16, 746% with int8). Refused before the run folder exists."""
+    with pytest.raises(ConfigError, match=f"^noloco: compress {codec} would round the weights themselves.*"
+                                          "use --compress fp32, or bf16 with --precision bf16") as refused:
+        Run(tiny_config(strategy="noloco", compress=codec), tmp_path / "run", SimCommunicator(2), log=lambda m: None)
+    assert "\n" not in str(refused.value) and not (tmp_path / "run").exists()
+
+
+def test_bf16_sends_bf16_weights_exactly_and_refuses_fp32_ones():
+    """bf16 weights (--precision bf16) go through bf16 unchanged: every outer step is the fp32
+    exchange's, in half the bytes. fp32 weights would be rounded (on unit-scale weights that moved
+    by 1e-3: the step 194% wrong): refused."""
+    rng = np.random.default_rng(0)
+    start = mx.array(rng.normal(size=1000).astype(np.float32))
+    with pytest.raises(ConfigError, match="^noloco: compress bf16 would round fp32 weights.*--precision bf16"):
+        bound(4, compress="bf16").setup({"w": start})
+    exact, halved = bound(4, compress="fp32"), bound(4, compress="bf16")
+    for strategy in (exact, halved):
+        strategy.setup({"w": start.astype(mx.bfloat16)})
+    for step in (1, 2):
+        theta = {"w": (start + mx.array(rng.normal(size=(4, 1000)) * 1e-3)).astype(mx.bfloat16)}
+        assert_same_arrays({"w": exact.after_step(theta, step)["w"].astype(mx.float32), "s": exact.state()},
+                           {"w": halved.after_step(theta, step)["w"].astype(mx.float32), "s": halved.state()})
+    sent = [r.sent_bytes - 3 * CHECK_BYTES for s in (exact, halved) for r in s.comm.drain_records()]
+    assert sent == [4000] * 2 + [2000] * 2
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 8, 9])

@@ -1,5 +1,14 @@
 """MuLoCo (arXiv 2505.23725): DiLoCo whose inner steps use Muon for the transformer blocks' weight
-matrices and AdamW for the rest (embeddings, head, norms, biases)."""
+matrices and AdamW for the rest (embeddings, head, norms, biases).
+
+Its outer Nesterov momentum is 0.6, not DiLoCo's 0.9: the MuLoCo authors' default
+(github.com/bentherien/muloco-1, `MuLoCo1(outer_momentum=0.6)`, beside 0.9 for DiLoCo). Muon's
+steps are large (lr 0.02 on orthogonalized updates): on gpt-wifi-8 the first mean pseudo-gradient
+was 10x the last, and momentum 0.9 kept carrying the early ones after the workers had reached the
+noise, so the global model's eval went up and down between outer steps (issue 39: 5.699, 5.970,
+4.864, 4.790, 4.938, where the plain average of the workers was at 4.547 before the last step;
+docs/results.md has the run at 0.6).
+"""
 
 from dataclasses import dataclass
 
@@ -44,6 +53,8 @@ def is_block_matrix(path: str, parameter) -> bool:
 @dataclass
 class MuLoCo(DiLoCo):
     name = "muloco"
+    outer_momentum: float = option(0.6, "outer momentum, below diloco's 0.9, on which Muon's large steps made "
+                                        "the global model swing (strategies/muloco.py)")
     muon_lr: float = option(0.02, "peak learning rate of Muon (AdamW keeps --lr)")
     muon_momentum: float = option(0.95, "Muon's momentum")
 

@@ -15,9 +15,16 @@ means over the pair: the pair's mean pseudo-gradient, plus the pull of phi_i tow
 outer weights, with the pull's weight (the paper's gamma) equal to the outer lr. The two means add
 up to mean(theta) - phi_i, so one exchange of the weights does (the code sends phi and theta - phi:
 twice the bytes). Its momentum is heavy-ball (phi moves by the new m), as written above. Defaults
-from those configs: H = 50, eta = 0.7, beta = 0.5, pairs of 2. The code exchanges fp32 (the
-default codec here); with bf16 parameters (--precision bf16) bf16 sends the same values in half
-the bytes.
+from those configs: H = 50, eta = 0.7, beta = 0.5, pairs of 2.
+
+The code exchanges fp32, and so does this one: what a worker sends is its weights, not a
+pseudo-gradient, so a codec's rounding error is a share of the weights, and the outer step it
+spoils is a far smaller difference of them (issue 39, `python bench/codecs.py`, part 3: on
+unit-scale weights that moved by 1e-3 of their size, the step comes out 21% wrong with fp16, 194%
+with bf16, 746% with int8). Sending the pseudo-gradient theta - phi instead does not help: the
+partner needs phi too (each worker has its own), which the authors' code sends beside it in fp32,
+so any codec would cost more bytes than fp32 alone. So --compress takes fp32, or bf16 where the
+weights are bf16 (--precision bf16): the same values in half the bytes; any other codec is refused.
 
 The pairing (`pairing`) differs from the paper's. There every round pairs a random permutation of
 all the workers: any two may meet. MLX's ring sends only between ring neighbours (and the launcher
@@ -72,11 +79,16 @@ class NoLoCo(Strategy):
     sync_every: int = option(50, "H: inner steps between outer steps")
     outer_lr: float = option(0.7, "outer learning rate, also the weight of the pull toward the pair's mean")
     outer_momentum: float = option(0.5, "outer momentum: heavy-ball (0: plain steps)")
-    compress: str = option("fp32", "codec of the weights each worker sends its partner")
+    compress: str = option("fp32", "codec of the weights each worker sends its partner: fp32, or bf16 "
+                                   "with bf16 weights (--precision bf16), both exact")
     pair_seed: int = option(0, "seed of the pairings (every worker draws the same ones)")
 
     def check(self):
         get_codec(self.compress)
+        self.require(self.compress in ("fp32", "bf16"),
+                     f"compress {self.compress} would round the weights themselves, an error no smaller than the "
+                     "outer step (unit-scale weights that moved by 1e-3: the step 21% wrong with fp16, 746% with "
+                     "int8); use --compress fp32, or bf16 with --precision bf16 (both exact)")
         self.require(self.sync_every >= 1, f"sync-every (H) must be >= 1 (got {self.sync_every})")
         self.require(self.outer_lr > 0, f"outer-lr must be > 0 (got {self.outer_lr})")
         self.require(0 <= self.outer_momentum < 1, f"outer-momentum must be in [0, 1) (got {self.outer_momentum})")
@@ -85,6 +97,10 @@ class NoLoCo(Strategy):
         return pairing(self.comm.num_workers, self.pair_seed, outer_step)
 
     def setup(self, params):
+        self.require(self.compress != "bf16" or all(v.dtype == mx.bfloat16 for _, v in tree_flatten(params)),
+                     "compress bf16 would round fp32 weights to bf16, an error no smaller than the outer step "
+                     "(unit-scale weights that moved by 1e-3: the step 194% wrong); use --precision bf16 (bf16 "
+                     "weights: sent exactly) or --compress fp32")
         self.outer, _ = flatten_workers(self.comm.broadcast_local(params))  # (n_local, L) float32, a copy
         self.momentum = mx.zeros(self.outer.shape)
         mx.eval(self.outer, self.momentum)
