@@ -126,6 +126,7 @@ def pretraining_step(model_name: str, precision: str, batch_size: int, seq_len: 
     def run():
         loss = step(x, y)
         mx.eval(loss, state)
+    run.lazy = lambda: (step(x, y), state)  # the step's graph, not evaluated (bench/step_kernels.py)
     return run
 
 

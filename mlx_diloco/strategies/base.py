@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 
 from ..exchange.worker_axis import replica
-from ..models.precision import round_bf16_stochastically
+from ..models.precision import random_word, round_bf16_stochastically
 from ..options import ConfigError, checked_value, did_you_mean, option  # noqa: F401 (option: strategies import it from here)
 
 
@@ -53,11 +53,16 @@ class AdamW(optim.AdamW):
         state["m"] = mx.zeros(parameter.shape, self.moments_dtype)
         state["v"] = mx.zeros(parameter.shape, self.moments_dtype)
 
+    def apply_gradients(self, gradients, parameters):
+        # One draw of random bits for every bf16 parameter's rounding (models/precision.py)
+        self.rounding_seed = random_word()
+        return super().apply_gradients(gradients, parameters)
+
     def apply_single(self, gradient, parameter, state):
         new = super().apply_single(gradient.astype(mx.float32), parameter.astype(mx.float32), state)
         state["m"], state["v"] = state["m"].astype(self.moments_dtype), state["v"].astype(self.moments_dtype)
         if parameter.dtype == mx.bfloat16:  # no fp32 master copy: stochastic rounding keeps small updates
-            return round_bf16_stochastically(new)
+            return round_bf16_stochastically(new, self.rounding_seed)
         return new.astype(parameter.dtype)
 
 
