@@ -8,6 +8,7 @@ nothing above them: every other key of a flat config is a strategy option, which
 checks where it is built (training/resolve.py's `resolve`, which turns a config into the run's
 config, strategy and model spec)."""
 
+import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -23,6 +24,11 @@ FINE_TUNE_TYPES = ("full", "lora", "dora")  # mlx-lm's names (models/finetune.py
 REPORTERS = ("wandb", "swanlab")  # mlx-lm's get_reporting_callbacks (training/callbacks.py)
 MAX_AUTO_WARMUP = 50  # warmup -1: a fifth of the run, at most this many steps (TrainConfig.warmup_steps)
 DEFAULT_MAX_SEQ_LEN = 1024  # what seq-len 0 stands for at most (a model folder may allow 32K)
+OBJECTIVES = ("sft", "dpo", "orpo", "grpo")  # objectives/
+DEFAULT_BETA = {"dpo": 0.1, "orpo": 0.1, "grpo": 0.0}  # TRL's (mlx-lm-lora's GRPO: 0.1)
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+SCALE_REWARDS = ("group", "batch", "none")
+BUILT_IN_REWARDS = ("exact_answer", "number_match", "format", "length")  # objectives/rewards.py
 
 
 @dataclass
@@ -48,6 +54,33 @@ class TrainConfig:
     lora_keys: str = option("", "lora/dora: the layers that get adapters, comma-separated paths in a block, e.g. "
                                 "self_attn.q_proj,self_attn.v_proj (mlx-lm's lora_parameters.keys; '': every "
                                 "linear layer)")
+    # Post-training objectives (objectives/; docs/post-training.md), under mlx-lm-lora's and TRL's names
+    objective: str = option("sft", "sft (next-token loss on the data), dpo or orpo (JSONL of prompt, chosen, "
+                                   "rejected), grpo (JSONL of prompt, answer: completions sampled and rewarded); "
+                                   "mlx-lm-lora's train_mode")
+    beta: float = option(-1.0, "dpo: the loss's beta; orpo: the odds-ratio term's weight (lambda); grpo: the KL "
+                               "penalty's weight, 0 for none (-1: TRL's defaults: 0.1, 0.1, 0.0)")
+    group_size: int = option(4, "grpo: completions sampled per prompt (TRL's num_generations)")
+    max_completion_length: int = option(512, "grpo: the most tokens a sampled completion has")
+    temperature: float = option(1.0, "grpo: the sampling temperature (the loss's log-probabilities divide "
+                                     "the logits by it too, as TRL's)")
+    top_p: float = option(1.0, "grpo: nucleus sampling's probability mass (1: off)")
+    epsilon: float = option(0.2, "grpo: the policy ratio's clip below 1 (PPO's epsilon)")
+    epsilon_high: float = option(0.0, "grpo: the ratio's clip above 1 (DAPO: 0.28; 0: epsilon)")
+    grpo_loss_type: str = option("grpo", "grpo (each completion's token mean, then their mean), bnpo or dapo "
+                                         "(the token mean over the worker's batch), dr_grpo (the token sum over "
+                                         "completions x max-completion-length: Dr. GRPO)")
+    scale_rewards: str = option("", "grpo: advantages divided by the std of the group's rewards (group), of "
+                                    "the batch's (batch), or not (none) ('': group; none with dr_grpo)")
+    reward_functions: str = option("", "grpo: reward functions, comma-separated: built-ins "
+                                       f"{', '.join(BUILT_IN_REWARDS)} or the reward file's own "
+                                       "('': exact_answer, or every function of the reward file)")
+    reward_weights: str = option("", "grpo: one weight per reward function, comma-separated ('': all 1)")
+    reward_file: str = option("", "grpo: a Python file of reward functions "
+                                  "f(prompts, completions, answer, **kwargs) -> a list of floats (mlx-lm-lora's "
+                                  "and TRL's signature)")
+    reward_format: str = option("", "grpo: the format reward's regular expression, matched against the whole "
+                                    "completion")
     # The simulated (or real) cluster, and the strategy (strategies/: its options are its own)
     workers: int = option(4, "number of (simulated) workers")
     strategy: str = option("diloco", "training strategy")  # the command line lists the registered ones
@@ -130,6 +163,26 @@ class TrainConfig:
         so that a short run is not spent warming up (60 steps: 12, not 50; 250 steps or more: 50)."""
         return self.warmup if self.warmup >= 0 else min(MAX_AUTO_WARMUP, self.steps // 5)
 
+    def objective_beta(self) -> float:
+        """beta as set, or (-1) the objective's default, TRL's."""
+        return self.beta if self.beta >= 0 else DEFAULT_BETA.get(self.objective, 0.0)
+
+    def reward_scaling(self) -> str:
+        """What GRPO's advantages are divided by: as set, or the group's std (none under Dr. GRPO,
+        whose paper drops both the length and the std normalization)."""
+        return self.scale_rewards or ("none" if self.grpo_loss_type == "dr_grpo" else "group")
+
+    def reward_names(self) -> list:
+        return [name.strip() for name in self.reward_functions.split(",") if name.strip()]
+
+    def reward_weight_values(self) -> list:
+        """reward-weights as numbers ([]: all 1)."""
+        try:
+            return [float(w) for w in self.reward_weights.split(",") if w.strip()]
+        except ValueError:
+            raise ConfigError(f"reward-weights must be numbers, comma-separated (e.g. 1,0.5), not "
+                              f"'{self.reward_weights}'") from None
+
     def reporters(self) -> list:
         """The loggers of report-to, as mlx-lm splits them ("wandb, swanlab": both)."""
         return [name.strip().lower() for name in self.report_to.split(",") if name.strip()]
@@ -185,4 +238,36 @@ class TrainConfig:
         for name in self.reporters():
             need(name in REPORTERS, f"report-to: no logger '{name}'; choose from {', '.join(REPORTERS)}")
         need(not self.loss or ":" in self.loss, f"loss '{self.loss}' must name a function as 'package.module:function'")
+        self.check_objective(need)
+
+    def check_objective(self, need):
+        """The post-training options' values (objectives/ checks what needs the data or the reward file)."""
+        need(self.objective in OBJECTIVES, f"objective must be one of {', '.join(OBJECTIVES)} (got '{self.objective}')")
+        need(not self.loss or self.objective == "sft", f"loss is the sft objective's; objective {self.objective} "
+                                                        "has its own: drop --loss")
+        need(self.beta >= 0 or self.beta == -1, f"beta must be >= 0, or -1 for the objective's default (got {self.beta})")
+        need(self.group_size >= 2, f"group-size must be >= 2: GRPO's advantages compare a prompt's completions "
+                                   f"(got {self.group_size})")
+        need(self.max_completion_length >= 1, f"max-completion-length must be >= 1 (got {self.max_completion_length})")
+        need(self.temperature > 0, f"temperature must be > 0: GRPO samples its completions (got {self.temperature})")
+        need(0 < self.top_p <= 1, f"top-p must be in (0, 1], 1 for off (got {self.top_p})")
+        need(self.epsilon >= 0 and self.epsilon_high >= 0, "epsilon and epsilon-high must be >= 0")
+        need(self.grpo_loss_type in GRPO_LOSS_TYPES, f"grpo-loss-type must be one of {', '.join(GRPO_LOSS_TYPES)} "
+                                                     f"(got '{self.grpo_loss_type}')")
+        need(self.scale_rewards in ("",) + SCALE_REWARDS, f"scale-rewards must be one of {', '.join(SCALE_REWARDS)} "
+                                                          f"(got '{self.scale_rewards}')")
+        names, weights = self.reward_names(), self.reward_weight_values()
+        for name in names:
+            need(name in BUILT_IN_REWARDS or self.reward_file,
+                 f"reward function '{name}' is not a built-in ({', '.join(BUILT_IN_REWARDS)}); name one, or pass "
+                 "--reward-file with it")
+        need(not weights or not names or len(weights) == len(names),
+             f"reward-weights gives {len(weights)} weights for {len(names)} reward functions; give one per function")
+        need("format" not in names or self.reward_format,
+             "the format reward needs its pattern: pass --reward-format REGEX (e.g. '<answer>.*</answer>')")
+        try:
+            re.compile(self.reward_format)
+        except re.error as e:
+            raise ConfigError(f"reward-format '{self.reward_format}' is not a regular expression ({e}); "
+                              "write one Python's re reads, e.g. '<answer>.*</answer>'") from None
 

@@ -1,5 +1,6 @@
 """Config files in mlx-lm's YAML (`mlx-diloco sim --config lora.yaml`): the keys of `mlx_lm.lora`'s
-config that mean the same thing here, under their mlx-lm names, as this project's config keys.
+config that mean the same thing here, under their mlx-lm names, as this project's config keys; and
+mlx-lm-lora's (`train_mode: grpo`, `reward_functions: [...]`: its preference and RL training).
 
 The one place that knows mlx-lm's keys. Every key of mlx-lm's config (its lora.py CONFIG_DEFAULTS
 and examples/lora_config.yaml) is one of:
@@ -18,9 +19,13 @@ import yaml
 
 from .options import ConfigError
 
-# mlx-lm's key -> this project's, same meaning.
+# mlx-lm's key -> this project's, same meaning; then mlx-lm-lora's (its preference and RL training:
+# objectives/), whose other keys (beta, group_size, epsilon, ...) are ours too.
 RENAMED = {"iters": "steps", "learning_rate": "lr", "max_seq_length": "seq_len",
-           "steps_per_eval": "eval_every", "val_batches": "eval_batches"}
+           "steps_per_eval": "eval_every", "val_batches": "eval_batches",
+           "train_mode": "objective", "train_type": "fine_tune_type", "reward_functions_file": "reward_file"}
+# mlx-lm-lora's lists, as our comma-separated strings.
+LISTS = ("reward_functions", "reward_weights")
 # lora_parameters' keys -> this project's (models/finetune.py hands them to linear_to_lora_layers).
 LORA_PARAMETERS = {"rank": "lora_rank", "scale": "lora_scale", "dropout": "lora_dropout", "keys": "lora_keys"}
 # Kept under their own names; listed so that a version without one says so (see `translate`).
@@ -40,7 +45,9 @@ NOTES = {
 }
 # Requests this project cannot carry out, unless they hold these values (mlx-lm's defaults of them).
 HARMLESS = {"train": (True, None), "training_mode": ("normal", None), "grad_accumulation_steps": (1, None),
-            "resume_adapter_file": (None, ""), "hf_dataset": (None, False)}
+            "resume_adapter_file": (None, ""), "hf_dataset": (None, False),
+            "dpo_cpo_loss_type": ("sigmoid", None), "importance_sampling_level": ("token", None),
+            "reference_model_path": (None, "")}
 READ_ELSEWHERE = ("optimizer", "optimizer_config", "config")  # `optimizer`; a file's `config` is moot
 OPTIMIZERS = ("adam", "adamw")  # the inner optimizer is AdamW; Adam is AdamW without weight decay
 
@@ -110,6 +117,8 @@ def translate(params: dict, own_keys) -> tuple:
                 put(f"lora_parameters.{name}", counterpart(f"lora_parameters.{name}", LORA_PARAMETERS[name]), v)
         elif key in ("report_to", "project_name") and value is None:  # mlx-lm's default: none
             continue
+        elif key in LISTS:
+            put(key, key, comma_separated(key, value))
         elif key in own_keys or key in SAME_NAME:  # ours too
             put(key, counterpart(key, key), value)
         elif key in NOTES:
@@ -139,6 +148,15 @@ def lora_parameters(value) -> dict:
     return {**value, "keys": ",".join(keys)}
 
 
+def comma_separated(key: str, value):
+    """mlx-lm-lora's list (YAML's, or its CLI's string "[0.7, 0.3]") as our comma-separated string."""
+    if isinstance(value, str):
+        return value.strip().strip("[]")
+    if isinstance(value, list) and all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
+        return ",".join(str(v) for v in value)
+    raise ConfigError(f"{key} must be a list (e.g. [exact_answer, format] or [1.0, 0.5]), not {value!r}")
+
+
 def refuse_what_cannot_be_honoured(params: dict):
     """One ConfigError line for an mlx-lm key whose request this project cannot carry out."""
     fixes = {
@@ -148,6 +166,10 @@ def refuse_what_cannot_be_honoured(params: dict):
                                "(to continue a run: --resume --run-dir RUN)",
         "hf_dataset": "Hugging Face datasets are not downloaded here; set data to a folder with "
                       "train.jsonl and valid.jsonl",
+        "dpo_cpo_loss_type": "DPO's loss here is the sigmoid one: remove it",
+        "importance_sampling_level": "GRPO's ratio here is per token: remove it",
+        "reference_model_path": "the reference here is the starting model (the base with the adapters off); "
+                                "remove it",
     }
     for key, fix in fixes.items():
         if params.get(key) not in HARMLESS[key]:

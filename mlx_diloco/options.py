@@ -28,6 +28,12 @@ def did_you_mean(key: str, names, valid: str = "valid") -> str:
     return f"did you mean '{close[0]}'?" if close else f"{valid}: {', '.join(names) or 'none'}"
 
 
+def shown(value, width: int = 60) -> str:
+    """`value` as a line shows it: its repr, cut to `width` characters."""
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 def read_json(path, what: str, fix: str):
     """The JSON in file `path`, or one ConfigError line: `path` is not `what` (not text, or not
     JSON, and where), and `fix`, what to pass instead."""

@@ -9,8 +9,10 @@ from pathlib import Path
 from ..run_folder import latest_step
 from ..config import DEFAULT_MAX_SEQ_LEN, ConfigError, TrainConfig
 from ..data.datasets import EMBEDDED, FASHION_MNIST, is_fashion_mnist_folder, load_shard, prepare
+from ..data.post_training import load_post_training
 from ..models.finetune import adapted_blocks, check_fine_tune
 from ..models.zoo import build_model, import_builder, load_spec
+from ..objectives import check_model as check_objective_model
 from ..strategies import make_strategy
 from . import checkpoint
 
@@ -59,6 +61,7 @@ def resolve(config: TrainConfig) -> Resolved:
         notes.append(f"num-layers {config.num_layers} is more than the model's {blocks} blocks: adapters on all "
                      f"{blocks}, as mlx-lm puts them")
         config = replace(config, num_layers=blocks)
+    check_objective_model(config, spec)
     strategy.check_model(spec, adapted_blocks(config, spec.num_blocks))  # adapters: what the strategy exchanges
     if config.seq_len == 0 and spec.is_language_model and not arrays:
         config = replace(config, seq_len=min(spec.context_length, DEFAULT_MAX_SEQ_LEN))
@@ -73,6 +76,9 @@ def load_data(config: TrainConfig, spec, log=print, shard_dir=None):
     tokenizer = config.tokenizer or (str(spec.path) if spec.path else "")
     if shard_dir:
         data = load_shard(shard_dir)
+    elif config.objective != "sft":  # preference pairs or prompts (objectives/)
+        data = load_post_training(config.objective, config.data, tokenizer, config.seq_len,
+                                  config.max_completion_length, log)
     else:
         data = prepare(config.data, config.seq_len, spec.vocab_size or 0, tokenizer, log=log,
                        mask_prompt=config.mask_prompt)

@@ -34,6 +34,8 @@ from ..models.kernels import paths as kernel_paths
 from ..models.precision import to_bf16
 from ..memory import model_shape
 from ..models.zoo import count_parameters
+from ..objectives import make_objective
+from ..objectives.rewards import RewardError
 from ..run_folder import check_new_run_dir, latest_step
 from ..utilisation import flops_per_token, mfu, peak_gflops
 from . import checkpoint
@@ -176,6 +178,7 @@ class Run:
         parts = parts or parts_from_config(resolved, log, place.shard_dir)
         self.spec, self.data, model = parts.spec, parts.data, parts.model
         convert_model(model, config)
+        self.objective = make_objective(config, model, self.data, log)  # its reference: the model as it starts
         self.strategy = parts.strategy.bind(comm, config.steps)
         self.strategy.setup(model.trainable_parameters())
         self.pacing = Pacing(config, self.strategy, comm, self.slots, place.membership, log)
@@ -188,13 +191,15 @@ class Run:
         # MLX cannot vmap a quantized base's matmul (QuantizedMatmul::vmap): QLoRA too.
         vectorize = False if config.grad_checkpoint or is_quantized(model) else parts.vectorize
         self.workers = Workers(model, comm.n_local, config, self.strategy.inner_optimizer(config),
-                               clip=self.strategy.clip_gradients, vectorize=vectorize, loss=parts.loss,
+                               clip=self.strategy.clip_gradients, vectorize=vectorize,
+                               loss=self.objective.loss or parts.loss,
                                masked=self.data.masked_targets, log=log)
         self.data_workers = self.slots if place.data_worker is None else [place.data_worker]
         self.samplers = self._samplers(place.num_shards or config.workers)
         if reporter and not resume and (note := oversized_batch(config.batch_size, self.samplers)):
             log(note)
-        self.eval_batches = self.data.eval_batches(config.batch_size, config.eval_batches)
+        self.eval_batches = self.objective.eval_batches(
+            self.workers, self.data.eval_batches(config.batch_size, config.eval_batches))
         if parts.loss is not None:  # a user's loss, tried on one batch before the run folder exists
             with memory_limit(config.memory_limit):
                 check_loss(parts.loss, model, *self.eval_batches[0])
@@ -293,6 +298,8 @@ class Run:
         t0, wait0 = time.perf_counter(), self.comm.wait_s
         active = self.pacing.active(tick.step)
         if active is None or any(active):  # else this process's workers wait out the tick
+            with self._stop_on_reward_error(tick.step):  # the objective's batch (GRPO: rollouts, rewards)
+                x, y = self.objective.batch(self, x, y, tick)
             with self._stop_on_non_finite(tick.step):
                 tick.losses = self.workers.step(x, y, self.strategy, tick.step, active)
             tick.seconds = time.perf_counter() - t0
@@ -512,10 +519,20 @@ class Run:
         try:
             yield
         except NonFiniteValues as e:
-            last = latest_step(self.checkpoint_dir)
-            kept = f"its last checkpoint (step {last}) is intact" if last else "no checkpoint was written"
             raise ConfigError(f"step {step}: {e}: training diverged, and the run stops before they reach the "
-                              f"global model ({kept}); lower --lr or --outer-lr, or raise --warmup") from None
+                              f"global model ({self._kept()}); lower --lr or --outer-lr, or raise --warmup") from None
+
+    @contextmanager
+    def _stop_on_reward_error(self, step: int):
+        """A reward function that fails mid-run stops the run before the step (objectives/rewards.py)."""
+        try:
+            yield
+        except RewardError as e:
+            raise ConfigError(f"step {step}: {e}; the run stops ({self._kept()})") from None
+
+    def _kept(self) -> str:
+        last = latest_step(self.checkpoint_dir)
+        return f"its last checkpoint (step {last}) is intact" if last else "no checkpoint was written"
 
     # ------------------------------------------------------------ evaluation and metrics
     def examples(self) -> int:
@@ -547,6 +564,7 @@ class Run:
         train_losses = None if train_losses is None else self.comm.gather_metric(train_losses)
         self.peak_memory = self._peak_memory()
         spent = self._job_time_spent()
+        objective = self.objective.report(self)  # every process: it gathers the workers' values
         if not self.reporter:
             return
         global_loss = self.workers.eval_params(self.global_params(), self.eval_batches)
@@ -575,7 +593,7 @@ class Run:
             "wall_s": time.time() - self.wall_start, "time": time.time(),
             "peak_memory_bytes": int(self.peak_memory * 1e6), "workers_per_process": self.comm.n_local,
             "strategy": c.strategy, "workers": c.workers, "sync_every": self.strategy.sync_every, "link": ledger.link.name,
-            "strategy_options": self.strategy.options(),
+            "strategy_options": self.strategy.options(), "objective": c.objective, **objective,
         })
 
     def _job_time_spent(self) -> dict:
@@ -613,7 +631,8 @@ class Run:
                 **{k: last.get(k) for k in ("measured_utilisation", "busy_s", "link_s", "straggler_s", "mfu", "flops_per_token",
                                             "peak_gflops")},
                 "peak_memory_bytes": peak, "workers_per_process": self.comm.n_local,
-                "kernels": kernel_paths().describe(self.config.precision), "inner_step": self.workers.describe()}
+                "kernels": kernel_paths().describe(self.config.precision), "inner_step": self.workers.describe(),
+                **{k: last.get(k) for k in self.objective.summary_keys}}
 
     # ------------------------------------------------------------ checkpoints
     def state(self) -> tuple:

@@ -82,6 +82,12 @@ def clip_factor(sq: mx.array, max_norm: float) -> mx.array:
     return mx.minimum(1.0, max_norm / (mx.sqrt(sq) + 1e-6))
 
 
+def row(y, i: int):
+    """Worker i's targets: `y` is an array, or a tree of them (an objective's: objectives/), with the
+    worker axis first."""
+    return tree_map(lambda a: a[i], y)
+
+
 def cross_entropy(model, x, y):
     """The default loss: mean cross-entropy of the model's logits (language models, classifiers)."""
     return token_cross_entropy(model(x), y).mean()
@@ -98,7 +104,7 @@ def masked_cross_entropy(model, x, y):
 def check_loss(loss_fn, model, x, y):
     """A loss function given by the user, tried on one batch: it must return one float (a scalar
     mx.array), which the gradient is taken of; else a ConfigError saying what it returned."""
-    value = loss_fn(model, mx.array(x), mx.array(y))
+    value = loss_fn(model, mx.array(x), tree_map(mx.array, y))
     if isinstance(value, mx.array) and value.ndim == 0 and mx.issubdtype(value.dtype, mx.floating):
         return
     if isinstance(value, mx.array) and value.ndim:
@@ -171,7 +177,7 @@ class Workers:
         gradients of the sum of the vmapped losses (each replica's own: the replicas do not mix),
         traced with the fused kernels folding the replica axis into the batch (models/kernels.py)."""
         if self.n_local == 1:
-            loss, grads = self._grad_fn(replica(params), x[0], y[0])
+            loss, grads = self._grad_fn(replica(params), x[0], row(y, 0))
             return loss[None], tree_map(lambda g: g[None], grads)
 
         def total(params, x, y):
@@ -190,7 +196,7 @@ class Workers:
     def _sequential(self, grad_fn):
         """The same computation without vmap: one replica after another."""
         def run(params, x, y):
-            outs = [grad_fn(replica(params, i), x[i], y[i]) for i in range(self.n_local)]
+            outs = [grad_fn(replica(params, i), x[i], row(y, i)) for i in range(self.n_local)]
             losses = mx.stack([loss for loss, _ in outs])
             grads = tree_map(lambda *gs: mx.stack(gs) if len(gs) > 1 else gs[0][None], *[g for _, g in outs])
             return losses, grads
@@ -361,6 +367,6 @@ class Workers:
         """The mean of `loss` over the batches, evaluated batch by batch (one batch's logits at a time)."""
         total = 0
         for x, y in batches:
-            total = total + loss(mx.array(x), mx.array(y))
+            total = total + loss(mx.array(x), tree_map(mx.array, y))
             mx.eval(total)
         return total / len(batches)

@@ -1,0 +1,270 @@
+"""Post-training data (objectives/): preference pairs for DPO and ORPO, prompts with answers for GRPO,
+in mlx-lm-lora's JSONL field names, a folder's train.jsonl and valid.jsonl (or one file, its end held out):
+
+    {"prompt": "2+2=", "chosen": "4", "rejected": "5"}            DPO, ORPO (an optional "system")
+    {"prompt": [{"role": "user", ...}], "chosen": [{"role": "assistant", ...}], "rejected": [...]}
+    {"chosen": [user, assistant], "rejected": [user, assistant]}   the prompt: the two's shared start (TRL)
+    {"chosen": {"messages": [...]}, ...}                          mlx-lm-lora's ORPO form
+    {"prompt": "2+2=", "answer": "4"}                              GRPO (the answer goes to the rewards)
+
+Tokenized as TRL's tokenize_fn does: the prompt through the tokenizer's chat template with the
+generation prompt, the completion the tokens the template writes after it (its end-of-turn included);
+without a template, the prompt's text and the completion's, then EOS. A sequence is its prompt and its
+completion; its targets are IGNORE on the prompt and the padding (data/jsonl.py's padded_arrays), so a
+loss sums the completion's log-probabilities alone. Every bad line is one ConfigError naming the file,
+the line and the fix; nothing is cut short.
+"""
+
+from pathlib import Path
+
+import numpy as np
+
+from ..options import ConfigError, shown
+from .datasets import VAL_FRACTION, ArrayExamples, Dataset
+from .jsonl import padded_arrays, read_records, split_files
+
+PAIR_FORMAT = '{"prompt": ..., "chosen": ..., "rejected": ...}'
+PROMPT_FORMAT = '{"prompt": ..., "answer": ...}'
+
+
+class Renderer:
+    """Messages as token ids, through the tokenizer's chat template where it has one."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.chat = tokenizer, tokenizer.has_chat_template
+
+    def text(self, messages: list, generation_prompt: bool) -> list:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False)  # as mlx_lm.generate: the template wrote them
+
+    def prompt(self, messages: list) -> list:
+        if self.chat:
+            return self.text(messages, generation_prompt=True)
+        return self.tokenizer.encode("".join(m["content"] for m in messages))
+
+    def completion(self, messages: list, reply: list) -> list:
+        """The tokens of `reply` (assistant messages) after the prompt `messages`."""
+        if not self.chat:
+            return self.tokenizer.encode("".join(m["content"] for m in reply), add_special_tokens=False) + [
+                self.tokenizer.eos_token_id]
+        prompt, whole = self.prompt(messages), self.text(messages + reply, generation_prompt=False)
+        if whole[:len(prompt)] != prompt:  # a template whose reply re-renders the prompt: the tokens after it
+            raise ValueError("the chat template writes the prompt differently once a reply follows it")
+        return whole[len(prompt):]
+
+
+class Line:
+    """One record of a JSONL file, and its errors, each naming the file and the line."""
+
+    def __init__(self, path: Path, number: int, record: dict, form: str):
+        self.path, self.number, self.record, self.form = path, number, record, form
+
+    def error(self, problem: str) -> ConfigError:
+        return ConfigError(f"{self.path} line {self.number}: {problem}")
+
+    def messages(self, key: str, role: str = "user") -> list:
+        """Field `key` as chat messages: a string is one message of `role`; a list of messages, or
+        mlx-lm-lora's {"messages": [...]}, as they are."""
+        if key not in self.record:
+            hint = " (a {\"messages\"} record is SFT data: train it with --objective sft)" \
+                if "messages" in self.record and "prompt" not in self.record else ""
+            raise self.error(f"missing \"{key}\"; write each line as {self.form}{hint}")
+        value = self.record[key]
+        if isinstance(value, dict) and "messages" in value:
+            value = value["messages"]
+        if isinstance(value, str):
+            if not value.strip():
+                raise self.error(f"\"{key}\" is empty; give it text")
+            return [{"role": role, "content": value}]
+        if not (isinstance(value, list) and value and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in value)):
+            raise self.error(f"\"{key}\" must be a string or a list of messages "
+                             f"[{{\"role\": ..., \"content\": ...}}], not {shown(value)}")
+        return value
+
+    def prompt(self) -> list:
+        messages = self.messages("prompt")
+        system = self.record.get("system")
+        if system is not None and not isinstance(system, str):
+            raise self.error(f"\"system\" must be a string, not {shown(system)}")
+        return ([{"role": "system", "content": system}] if system else []) + messages
+
+
+def reply_after(line: Line, prompt: list, key: str) -> list:
+    """The assistant messages of field `key`, without the prompt where the field repeats it (TRL's
+    conversational form); one that is empty is refused."""
+    reply = line.messages(key, role="assistant")
+    if reply[:len(prompt)] == prompt:
+        reply = reply[len(prompt):]
+    if not reply or not any(m["content"].strip() for m in reply):
+        raise line.error(f"\"{key}\" is empty; give the completion's text")
+    return reply
+
+
+def pair_prompt(line: Line) -> list:
+    """The prompt's messages: its own field, or (none) the messages chosen and rejected share (TRL)."""
+    if "prompt" in line.record:
+        return line.prompt()
+    chosen, rejected = line.messages("chosen"), line.messages("rejected")
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
+        shared += 1
+    if not shared:
+        raise line.error(f"missing \"prompt\"; write each line as {PAIR_FORMAT}")
+    return chosen[:shared]
+
+
+def tokens(line: Line, render, *args) -> list:
+    """`render(*args)`'s ids; an error of the template or the tokenizer names the line."""
+    try:
+        return render(*args)
+    except Exception as e:  # the user's record through the template or the tokenizer
+        raise line.error(f"could not be tokenized ({type(e).__name__}: {str(e)[:100]})") from None
+
+
+def check_text_or_chat(line: Line, renderer: Renderer, prompt: list):
+    if not renderer.chat and (len(prompt) > 1 or prompt[0]["role"] != "user"):
+        raise line.error("chat messages need a chat template, and the tokenizer has none; use an instruct "
+                         "model's folder, or give the prompt as a string")
+
+
+def check_prompt_length(line: Line, prompt_ids: list, seq_len: int, room: int, why: str):
+    if len(prompt_ids) + room - 1 > seq_len:
+        raise line.error(f"the prompt is {len(prompt_ids)} tokens, {why} seq-len {seq_len}; shorten it or "
+                         "raise --seq-len")
+
+
+def read_pairs(path: Path, renderer: Renderer, seq_len: int) -> list:
+    """[(prompt ids, chosen ids, rejected ids)] of a preference file."""
+    pairs = []
+    for number, record in read_records(path):
+        line = Line(path, number, record, PAIR_FORMAT)
+        prompt = pair_prompt(line)
+        check_text_or_chat(line, renderer, prompt)
+        prompt_ids = tokens(line, renderer.prompt, prompt)
+        check_prompt_length(line, prompt_ids, seq_len, 2, "leaving no room for a completion in")
+        replies = {}
+        for key in ("chosen", "rejected"):
+            replies[key] = tokens(line, renderer.completion, prompt, reply_after(line, prompt, key))
+            if len(prompt_ids) + len(replies[key]) - 1 > seq_len:
+                raise line.error(f"the prompt and \"{key}\" are {len(prompt_ids) + len(replies[key])} tokens, more "
+                                 f"than seq-len {seq_len} + 1; shorten them or raise --seq-len")
+        pairs.append((prompt_ids, replies["chosen"], replies["rejected"]))
+    return pairs
+
+
+def read_prompts(path: Path, renderer: Renderer, seq_len: int, max_completion: int) -> list:
+    """[(prompt ids, prompt as given, answer, answer's completion ids)] of a GRPO file."""
+    prompts = []
+    for number, record in read_records(path):
+        line = Line(path, number, record, PROMPT_FORMAT)
+        prompt = line.prompt()
+        check_text_or_chat(line, renderer, prompt)
+        if "answer" not in record:
+            raise line.error(f"missing \"answer\" (what the rewards check a completion against); write each "
+                             f"line as {PROMPT_FORMAT}")
+        answer = record["answer"]
+        if not isinstance(answer, str):
+            raise line.error(f"\"answer\" must be a string, not {shown(answer)}; write it in quotes, e.g. "
+                             f"\"answer\": \"{answer}\"")
+        prompt_ids = tokens(line, renderer.prompt, prompt)
+        check_prompt_length(line, prompt_ids, seq_len, max_completion, f"and max-completion-length {max_completion} "
+                                                                        "exceed")
+        answer_ids = tokens(line, renderer.completion, prompt, [{"role": "assistant", "content": answer}])
+        if len(answer_ids) > max_completion:
+            raise line.error(f"the answer is {len(answer_ids)} tokens, more than max-completion-length "
+                             f"{max_completion}: no completion could match it; raise --max-completion-length")
+        prompts.append((prompt_ids, record["prompt"], answer, answer_ids))
+    return prompts
+
+
+class PairExamples:
+    """Preference pairs: example i is its chosen and its rejected sequence. A batch of B pairs is
+    (inputs, targets) of 2B rows, the B chosen ones first (TRL's concatenated forward)."""
+
+    def __init__(self, pairs: list, width: int):
+        self.count = len(pairs)
+        self.chosen = padded_arrays([(p + c, len(p)) for p, c, _ in pairs], width)
+        self.rejected = padded_arrays([(p + r, len(p)) for p, _, r in pairs], width)
+
+    def __len__(self):
+        return self.count
+
+    def get(self, indices):
+        idx = np.asarray(indices)
+        return tuple(np.concatenate([c[idx], r[idx]]) for c, r in zip(self.chosen, self.rejected))
+
+
+class PromptExamples:
+    """GRPO's prompts: a batch is (the prompts' ids, right-padded, and the examples' indices), which
+    the rollouts look up (objectives/grpo.py)."""
+
+    def __init__(self, prompts: list):
+        self.ids = [p for p, _, _, _ in prompts]
+        self.prompts = [prompt for _, prompt, _, _ in prompts]
+        self.answers = [answer for _, _, answer, _ in prompts]
+        self.width = max(len(p) for p in self.ids)
+        self.padded = np.zeros((len(self.ids), self.width), np.int32)
+        for row, ids in zip(self.padded, self.ids):
+            row[:len(ids)] = ids
+
+    def __len__(self):
+        return len(self.ids)
+
+    def get(self, indices):
+        idx = np.asarray(indices, np.int32)
+        return self.padded[idx], idx
+
+
+class PostTrainingData(Dataset):
+    """A post-training objective's data: train examples as pairs or prompts; held out, `val` (pairs,
+    or each prompt with its answer as the completion: what the eval loss scores) and, for GRPO, the
+    held-out prompts the greedy accuracy is measured on. `tokenizer`: mlx-lm's, for the rollouts."""
+
+    def __init__(self, train, val, tokenizer_dir, tokenizer, held_out=None):
+        super().__init__(train, val, Path(tokenizer_dir), len(tokenizer.vocab))
+        self.tokenizer, self.held_out = tokenizer, held_out
+
+    def tokens_per_example(self):
+        """None: an example is a pair or a prompt (the objective counts the tokens it trains)."""
+        return None
+
+
+def held_out(train: list, files: dict, log) -> tuple:
+    """(train, valid) records: valid.jsonl's, or the last VAL_FRACTION of train's."""
+    held = max(1, int(len(train) * VAL_FRACTION))
+    if len(train) <= held:
+        raise ConfigError(f"{files['train']} holds {len(train)} example(s): too few to hold some out for "
+                          "validation; give more, or a valid.jsonl beside it")
+    log(f"no valid.jsonl beside {files['train']}: its last {held} examples are held out for validation")
+    return train[:-held], train[-held:]
+
+
+def load_post_training(objective: str, source: str, tokenizer_dir: str, seq_len: int, max_completion: int,
+                       log=print) -> PostTrainingData:
+    """The data of objective dpo, orpo (pairs) or grpo (prompts), read and checked whole."""
+    from mlx_lm.utils import load_tokenizer
+    if not tokenizer_dir:
+        raise ConfigError(f"{objective} data {source} needs the model's tokenizer: pass --model a model folder "
+                          "(or --tokenizer FOLDER)")
+    if Path(source).suffix != ".jsonl" and not (Path(source) / "train.jsonl").is_file():
+        form = PROMPT_FORMAT if objective == "grpo" else PAIR_FORMAT
+        raise ConfigError(f"objective {objective} reads JSONL: pass --data a .jsonl file or a folder with train.jsonl "
+                          f"(and valid.jsonl), each line {form}")
+    tokenizer = load_tokenizer(Path(tokenizer_dir))
+    renderer = Renderer(tokenizer)
+    files = split_files(Path(source))
+    if objective == "grpo":
+        read = lambda path: read_prompts(path, renderer, seq_len, max_completion)  # noqa: E731
+    else:
+        read = lambda path: read_pairs(path, renderer, seq_len)  # noqa: E731
+    train = read(files["train"])
+    train, valid = (train, read(files["valid"])) if "valid" in files else held_out(train, files, log)
+    if objective != "grpo":
+        width = max(len(p) + max(len(c), len(r)) for p, c, r in train + valid) - 1
+        return PostTrainingData(PairExamples(train, width), PairExamples(valid, width), tokenizer_dir, tokenizer)
+    # held out: each prompt with its answer as the completion (the eval loss: the answer's NLL)
+    width = max(len(p) for p, _, _, _ in train + valid) + max_completion - 1
+    answers = ArrayExamples(*padded_arrays([(p + a, len(p)) for p, _, _, a in valid], width))
+    return PostTrainingData(PromptExamples(train), answers, tokenizer_dir, tokenizer, held_out=PromptExamples(valid))
