@@ -32,13 +32,13 @@ from .config import ConfigError, TrainConfig
 from .data.datasets import ArrayExamples, BatchStream, Dataset
 from .exchange.comm import SimCommunicator
 from .exchange.network import modelled_time, parse_link
-from .export import global_parameters
+from .export import global_parameters, trained_model
 from .models.zoo import build_model, load_spec
 from .options import did_you_mean, from_dict
 from .strategies import Strategy, make_strategy
 from .training import checkpoint
 from .training.metrics import MetricsLog
-from .training.processes import choose_processes, run_processes
+from .training.processes import choose_processes, run_processes, simulate
 from .training.resolve import Parts
 from .training.run import Run
 from .training.workers import check_loss
@@ -84,6 +84,17 @@ def as_strategy(strategy) -> Strategy:
     raise ConfigError(f"strategy must be a strategy such as DiLoCo(sync_every=50), or its name 'diloco', not {what}")
 
 
+def check_data_path(model, eval_data):
+    """Data named by path comes with its held-out split (valid.jsonl) and is tokenized by the model's
+    tokenizer: the model must be named by path too."""
+    if not isinstance(model, str):
+        raise ConfigError("train_data given as a path is read with the model's tokenizer: give the model as a "
+                          "model folder or preset name (and tokenizer=FOLDER where it has none)")
+    if eval_data is not None:
+        raise ConfigError("train_data given as a path holds its own held-out split (valid.jsonl beside train.jsonl); "
+                          "drop eval_data")
+
+
 def importable(fn) -> str:
     """'package.module:function' if a fresh process can import `fn` under that name, else ''."""
     module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
@@ -120,6 +131,11 @@ class Trainer:
         self.model, self.loss_fn, self.run_dir, self.log = model, loss_fn, run_dir, log
         self.config = trainer_config(settings)
         self.said_one_process = False
+        # Data named by path (JSONL: post-training's pairs or prompts, mlx-lm's records) is read as sim reads it.
+        self.data_path = train_data if isinstance(train_data, (str, Path)) else None
+        if self.data_path is not None:
+            check_data_path(model, eval_data)
+            return
         self.train = examples(train_data, "train_data")
         # Without eval data the training data is evaluated (pass eval_data when train_data is a one-shot generator).
         self.eval = examples(train_data if eval_data is None else eval_data, "eval_data",
@@ -138,14 +154,13 @@ class Trainer:
                          steps=self.config.steps if steps is None else steps, strategy=strategy.name,
                          strategy_options=strategy.options())
         config.check_values()  # and against the strategy: where the run gets it (Run, or resolve in processes)
+        if self.data_path is not None:
+            return self.fit_from_files(config, self.folder(run_dir, strategy), processes, resume, callbacks)
         # every fit starts from the same initial weights; bad input is found before a run folder exists
         model = self.built_model(config.seed) if isinstance(self.model, str) else copy.deepcopy(self.model)
         if self.loss_fn is not None:
             check_loss(self.loss_fn, model, *self.eval.get(np.arange(min(config.batch_size, len(self.eval)))))
-        if not (run_dir or self.run_dir):  # a folder of our own: it goes when Python exits
-            run_dir = tempfile.mkdtemp(prefix=f"mlx-diloco-{strategy.name}-")
-            atexit.register(shutil.rmtree, run_dir, ignore_errors=True)
-        run_dir = Path(run_dir or self.run_dir)
+        run_dir = self.folder(run_dir, strategy)
         K = choose_processes(config.workers, processes, run_dir, resume)
         if K > 1 and (why := self.why_one_process(callbacks)):
             if processes or not self.said_one_process:
@@ -164,6 +179,20 @@ class Trainer:
         mx.eval(model.parameters())
         return FitResult(model, MetricsLog.read(run_dir), run.ledger.bytes_sent, summary, run_dir,
                          run.ledger.log, run.compute_s / max(run.steps_done, 1))
+
+    def folder(self, run_dir, strategy) -> Path:
+        """The run folder: fit's, the Trainer's, else a new temporary one (it goes when Python exits)."""
+        if not (run_dir or self.run_dir):
+            run_dir = tempfile.mkdtemp(prefix=f"mlx-diloco-{strategy.name}-")
+            atexit.register(shutil.rmtree, run_dir, ignore_errors=True)
+        return Path(run_dir or self.run_dir)
+
+    def fit_from_files(self, config: TrainConfig, run_dir: Path, processes: int, resume: bool, callbacks) -> FitResult:
+        """`sim` on the model and data the Trainer names by path (callbacks: in one process); the
+        model that comes back is the trained one (a fine-tune's base with its adapters)."""
+        config = replace(config, model=str(self.model), data=str(self.data_path))
+        simulate(config, run_dir, 1 if callbacks else processes, resume, log=self.log, callbacks=callbacks)
+        return self.result(run_dir, trained_model(run_dir))
 
     def built_model(self, seed: int):
         """The model the Trainer names (a preset, folder or builder), initialised from `seed`."""
@@ -196,6 +225,12 @@ class Trainer:
         arrays, meta = checkpoint.load(run_dir, log=lambda m: None)
         model.update(global_parameters(model, arrays, meta))
         mx.eval(model.parameters())
+        return self.result(run_dir, model)
+
+    @staticmethod
+    def result(run_dir: Path, model) -> FitResult:
+        """The FitResult of a run another process (or `simulate`) trained, from its folder."""
+        _, meta = checkpoint.load(run_dir, log=lambda m: None)
         summary = json.loads((run_dir / "summary.json").read_text())
         return FitResult(model, MetricsLog.read(run_dir), summary["bytes_sent_per_worker"], summary, run_dir,
                          [tuple(e) for e in meta["exchanges"]["log"]], meta["compute_s"] / max(meta["step"], 1))

@@ -112,8 +112,9 @@ def cmd_gym_list(args):
     for p in PROBLEMS.values():
         c = p.settings(args.size)
         speeds = f", worker speeds {c['worker_speeds']}" if c.get("worker_speeds") else ""
+        target = f"target eval loss {p.target_loss}" if p.target_loss is not None else "scored by held-out accuracy"
         print(f"{p.name:20} {p.about}\n{'':20} {c['model']} on {c['data']}, {c['workers']} workers x {c['steps']} "
-              f"steps, link {c['link']}, {c['step_time']:g} s per step{speeds}; target eval loss {p.target_loss}")
+              f"steps, link {c['link']}, {c['step_time']:g} s per step{speeds}; {target}")
 
 
 def cmd_gym_run(args):
@@ -123,11 +124,12 @@ def cmd_gym_run(args):
     problem = get_problem(args.problem)
     if args.resume and not args.run_dir:
         raise ConfigError("--resume needs --run-dir naming the run to continue")
-    config = config_from_args(args) if args.resume else config_from_flags(args, defaults=problem.settings(args.size))
+    log = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    config = config_from_args(args) if args.resume else config_from_flags(args, defaults=problem.prepared(args.size, log))
     run_dir = Path(args.run_dir or f"runs/gym/{problem.name}/{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
     args.on_interrupt = f"continue with: mlx-diloco gym run {problem.name} --resume --run-dir {run_dir}"
     start_dashboard(args, run_dir)
-    simulate(config, run_dir, args.processes, args.resume, log=lambda m: print(m, file=sys.stderr))
+    simulate(config, run_dir, args.processes, args.resume, log=log)
     card = scorecard.scorecard(run_dir, problem)
     path = scorecard.save(card, run_dir)
     print(scorecard.describe(card) + f"\n  scorecard: {path}")
@@ -147,9 +149,9 @@ def cmd_sweep(args):
     from .gym import scorecard
     from .training.processes import simulate
     problem = get_problem(args.problem) if args.problem else None
-    base = {**(problem.settings(args.size) if problem else {}),
-            **(TrainConfig.from_file(args.config).to_dict() if args.config else {}), **given_flags(args)}
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    base = {**(problem.prepared(args.size, log) if problem else {}),
+            **(TrainConfig.from_file(args.config).to_dict() if args.config else {}), **given_flags(args)}
     args.on_interrupt = "run the same command again to resume the sweep"
     cards = run_sweep(base, grid_points(parse_grid(args.grid)), Path(args.out),
                       train=lambda config, run_dir, resume: simulate(config, run_dir, args.processes, resume, log),

@@ -26,6 +26,14 @@ def load_trained_model(run_dir):
     return model, spec, tokenizer if tokenizer.is_dir() else None
 
 
+def trained_model(run_dir):
+    """The run's trained model: a fine-tune's base with its adapters (RUN/adapters, as mlx-lm loads
+    them), else the checkpoint's global model."""
+    if (adapters_dir := adapters.adapters_of(run_dir)).is_dir():
+        return adapters.load_with_adapters(adapters_dir)[0]
+    return load_trained_model(run_dir)[0]
+
+
 def global_parameters(model, arrays: dict, meta: dict) -> dict:
     """The global model a checkpoint holds, in the dtypes of `model`'s parameters, as the run's
     strategy (built from the checkpoint's config) reads it from the checkpoint's arrays."""

@@ -26,6 +26,9 @@ RENAMED = {"iters": "steps", "learning_rate": "lr", "max_seq_length": "seq_len",
            "train_mode": "objective", "train_type": "fine_tune_type", "reward_functions_file": "reward_file"}
 # mlx-lm-lora's lists, as our comma-separated strings.
 LISTS = ("reward_functions", "reward_weights")
+# Keys whose null means "none" (our default).
+UNSET_BY_NULL = ("report_to", "project_name", "reward_functions_file", "reward_functions", "reward_weights",
+                 "epsilon_high")
 # lora_parameters' keys -> this project's (models/finetune.py hands them to linear_to_lora_layers).
 LORA_PARAMETERS = {"rank": "lora_rank", "scale": "lora_scale", "dropout": "lora_dropout", "keys": "lora_keys"}
 # Kept under their own names; listed so that a version without one says so (see `translate`).
@@ -110,13 +113,13 @@ def translate(params: dict, own_keys) -> tuple:
 
     refuse_what_cannot_be_honoured(params)
     for key, value in params.items():
+        if key in UNSET_BY_NULL and value is None:  # mlx-lm's (and mlx-lm-lora's) default: none
+            continue
         if key in RENAMED:
             put(key, counterpart(key, RENAMED[key]), value)
         elif key == "lora_parameters":
             for name, v in lora_parameters(value).items():
                 put(f"lora_parameters.{name}", counterpart(f"lora_parameters.{name}", LORA_PARAMETERS[name]), v)
-        elif key in ("report_to", "project_name") and value is None:  # mlx-lm's default: none
-            continue
         elif key in LISTS:
             put(key, key, comma_separated(key, value))
         elif key in own_keys or key in SAME_NAME:  # ours too

@@ -10,7 +10,7 @@ from .training.metrics import MetricsLog
 
 def label(strategy: str, options: dict, config: dict) -> str:
     """A short name for a run: the strategy's label (what its options set apart), its pacing and
-    membership schedule."""
+    membership schedule, and its objective where it is not SFT."""
     from .strategies import make_strategy  # on call: the strategies import MLX
     try:
         parts = [make_strategy(strategy, options).label()]
@@ -20,6 +20,8 @@ def label(strategy: str, options: dict, config: dict) -> str:
         parts.append(f"{config.get('speed_policy', 'fixed')}-paced")
     if config.get("membership"):
         parts.append(f"members {config['membership']}")
+    if config.get("objective", "sft") != "sft":  # post-training (objectives/)
+        parts.append(config["objective"])
     return " ".join(parts)
 
 
@@ -56,26 +58,72 @@ def plot_runs(run_dirs, out: Path, title: str = None) -> Path:
             raise ConfigError(f"{path} holds no metrics yet; pass runs that have evaluated once")
     axes_keys = [("step", "inner steps"), amount_axis(runs), ("modelled_time_s", "modelled time (s)"),
                  ("bytes_sent_per_worker", "bytes sent per worker")]
-    fig, axes = plt.subplots(1, len(axes_keys), figsize=(5 * len(axes_keys), 4), sharey=True)
-    for ax, (key, name) in zip(axes, axes_keys):
-        loss_curves(ax, [(run_label(rows, d), rows) for d, rows in runs], key, name)
-    axes[0].set_ylabel("eval loss (global model)")
-    axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))  # beside the panels, over no curve
+    panels = [(key, name) for key, name in OBJECTIVE_PANELS if any(value_of(r, key) is not None
+                                                                   for _, rows in runs for r in rows)]
+    grid = 1 + -(-len(panels) // len(axes_keys))  # the eval loss's row, then the objective's metrics
+    fig, axes = plt.subplots(grid, len(axes_keys), figsize=(5 * len(axes_keys), 4 * grid), squeeze=False)
+    curves = [(run_label(rows, d), rows) for d, rows in runs]
+    for ax, (key, name) in zip(axes[0], axes_keys):
+        loss_curves(ax, curves, key, name)
+        ax.sharey(axes[0][0])
+    axes[0][0].set_ylabel("eval loss (global model)")
+    for ax, (key, name) in zip(axes[1:].flat, panels):
+        metric_curves(ax, curves, key, name)
+    for ax in list(axes[1:].flat)[len(panels):]:
+        ax.axis("off")
+    axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))  # beside the panels, over no curve
     return save_figure(fig, out, title)
 
 
-def loss_curves(ax, curves, key: str, name: str):
-    """Eval loss against metrics `key` (axis label `name`), one curve per (label, metrics rows);
-    modelled time and bytes get a spread axis (they span decades from 0)."""
-    import matplotlib.pyplot as plt
-    colours = len(plt.rcParams["axes.prop_cycle"])
+# Post-training's metrics (objectives/), each against inner steps, where a run has them.
+OBJECTIVE_PANELS = [
+    ("eval_accuracy", "held-out accuracy (greedy, global model)"), ("reward", "reward (mean since the last evaluation)"),
+    ("kl", "KL to the reference"), ("frac_reward_zero_std", "share of groups with no advantage"),
+    ("completion_length", "completion length (tokens)"), ("generate_share", "share of the step time generating"),
+    ("eval_pair_accuracy", "held-out pairs: chosen more likely"), ("eval_reward_accuracy", "held-out pairs: DPO reward accuracy"),
+    ("eval_reward_margin", "held-out pairs: DPO reward margin")]
+
+
+def value_of(row: dict, key: str):
+    """A metrics row's value of `key`; generate_share: the time generating over generating and training."""
+    if key == "generate_share":
+        generating, training = row.get("generate_s"), row.get("train_s")
+        return generating / (generating + training) if generating is not None and generating + training > 0 else None
+    return row.get(key)
+
+
+def metric_curves(ax, curves, key: str, name: str):
+    """Metric `key` against inner steps, one curve per (label, metrics rows), where the rows have it."""
+    for i, (label_of_run, rows) in enumerate(curves):  # each run the colour it has in the loss panels
+        points = [(r["step"], v) for r in rows if (v := value_of(r, key)) is not None]
+        if points:
+            ax.plot(*zip(*points), marker=".", label=label_of_run, color=run_colour(i),
+                    linestyle="-" if i < colours() else "--")
+    ax.set_xlabel("inner steps")
+    ax.set_ylabel(name)
+    ax.grid(alpha=0.3)
+
+
+def loss_curves(ax, curves, key: str, name: str, metric: str = "eval_loss"):
+    """Eval loss (or another `metric`) against metrics `key` (axis label `name`), one curve per (label,
+    metrics rows); modelled time and bytes get a spread axis (they span decades from 0)."""
     for i, (name_of_run, rows) in enumerate(curves):  # once the colours come round again, dashed lines
-        ax.plot([r[key] for r in rows], [r["eval_loss"] for r in rows], marker=".", label=name_of_run,
-                linestyle="-" if i < colours else "--")
+        ax.plot([r[key] for r in rows], [r[metric] for r in rows], marker=".", label=name_of_run,
+                color=run_colour(i), linestyle="-" if i < colours() else "--")
     ax.set_xlabel(name)
     ax.grid(alpha=0.3)
     if key in ("modelled_time_s", "bytes_sent_per_worker"):
         spread_axis(ax, [r[key] for _, rows in curves for r in rows])
+
+
+def colours() -> int:
+    import matplotlib.pyplot as plt
+    return len(plt.rcParams["axes.prop_cycle"])
+
+
+def run_colour(i: int) -> str:
+    """The colour of the i-th run's curves, in every panel."""
+    return f"C{i % colours()}"
 
 
 def check_image_name(out):

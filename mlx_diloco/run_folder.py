@@ -33,6 +33,8 @@ OPTIONAL_META = {
                "workers ('straggler_s')",
     "membership": "an elastic cluster worker's: the slots of its ring's workers ('ring_slots') and who left "
                   "and joined so far ('history', membership.py's syntax)",
+    "objective": "a post-training objective's running totals (objectives/: each local worker's tokens generated "
+                 "and trained, seconds generating and training), a dict",
 }
 
 

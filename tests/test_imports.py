@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS = [
     ("leaves", ["options", "atomic", "blas"]),  # errors and typed values, atomic files, the BLAS fix
     ("parts", ["config", "mlx_lm_config", "hub", "speeds", "membership", "run_folder", "run_status", "worker_job", "memory", "utilisation", "exchange", "models", "data"]),
-    ("strategies", ["strategies"]),
+    ("strategies", ["strategies", "objectives"]),  # and the objectives (post-training)
     ("training", ["training"]),
     ("tools", ["export", "generate", "plot", "plan", "doctor", "gym", "cluster", "dashboard"]),  # what the commands run
     ("entry points", ["api", "cli", "__main__"]),

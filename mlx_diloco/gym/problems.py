@@ -21,18 +21,37 @@ class Problem:
     name: str
     about: str
     config: dict            # config keys of the CPU variant
-    target_loss: float      # the eval loss that counts as solved (time and tokens to reach it)
+    target_loss: float      # the eval loss that counts as solved (time and tokens to reach it; None: none)
     large: dict = field(default_factory=dict)  # what the large variant changes
+    task: object = None     # task(log) -> {"model": ..., "data": ...}: paths made on first use (gym/addition.py)
 
     def settings(self, size: str = "cpu") -> dict:
         if size not in SIZES:
             raise ConfigError(f"size must be one of {', '.join(SIZES)} (got '{size}')")
         return {**self.config, **(self.large if size == "large" else {})}
 
+    def prepared(self, size: str = "cpu", log=print) -> dict:
+        """The settings, with the paths of the problem's task where it makes its own (once)."""
+        return {**self.settings(size), **(self.task(log) if self.task else {})}
+
+
+def addition(form: str):
+    """The addition task's SFT start and its data in `form` (gym/addition.py), made on first use."""
+    def paths(log) -> dict:
+        from .addition import prepare
+        folder = prepare(log=log)
+        return {"model": str(folder / "sft-model"), "data": str(folder / form)}
+    return paths
+
 
 # What every language-model problem shares: the embedded Shakespeare and a small GPT.
 _SHAKESPEARE = dict(model="small", data="shakespeare", batch_size=16, eval_batches=16, step_time=0.05)
 _LARGE_GPT = dict(model="gpt-10m", seq_len=256, steps=3000, step_time=0.25, eval_batches=32)
+
+# Post-training on the addition task (gym/addition.py): LoRA on its SFT start, 4 laptops on Wi-Fi.
+# H = 25: at least 20x fewer bytes than DDP's every step, and four outer steps in a run of 100.
+_ADDITION = dict(model="the addition task's SFT start", fine_tune_type="lora", num_layers=-1, lora_rank=8,
+                 seq_len=16, workers=4, sync_every=25, eval_every=25, link="wifi", step_time=0.2, warmup=10)
 
 PROBLEMS = {p.name: p for p in [
     Problem("shakespeare-home",
@@ -56,6 +75,16 @@ PROBLEMS = {p.name: p for p in [
             "the small GPT on Shakespeare, 4 Macs on home internet, one of them 4x slower (a straggler)",
             dict(_SHAKESPEARE, workers=4, steps=500, link="internet", eval_every=50, worker_speeds="1,1,1,0.25"),
             target_loss=4.6, large=_LARGE_GPT),
+    Problem("addition-grpo",
+            "GRPO on 2-3 digit addition from a tiny Llama's SFT start, the exact answer the reward, 4 laptops on Wi-Fi",
+            dict(_ADDITION, data="addition/grpo", objective="grpo", steps=100, batch_size=8, group_size=8,
+                 max_completion_length=6, lr=2e-3, eval_batches=8),
+            target_loss=None, task=addition("grpo")),
+    Problem("addition-dpo",
+            "DPO on 2-3 digit addition (the right sum chosen, a near miss rejected) from the same SFT start, "
+            "4 laptops on Wi-Fi",
+            dict(_ADDITION, data="addition/dpo", objective="dpo", steps=100, batch_size=16, lr=2e-3, eval_batches=16),
+            target_loss=None, task=addition("dpo")),
 ]}
 
 

@@ -12,6 +12,9 @@
                           utilisation, MFU (utilisation.py)
     drift                 how far the workers' models are apart when they sync: the spread
                           (max - min) of their eval losses, mean over the evaluations
+    post-training         (objectives/) the held-out accuracy at the start and the end: GRPO's
+                          greedy exact answers, DPO's and ORPO's pairs whose chosen completion is the
+                          more likely; GRPO's tokens generated and seconds generating and training
 """
 
 import json
@@ -23,6 +26,10 @@ from ..plot import amount_axis, label, loss_curves, save_figure
 from ..training.metrics import MetricsLog, human_bytes
 
 CARD = "scorecard.json"
+# Post-training's held-out accuracies (the first a run has is what its plot shows), at the start and
+# the end; and what it generated.
+ACCURACIES = ("eval_accuracy", "eval_pair_accuracy", "eval_reward_accuracy")
+TOTALS = ("tokens_generated", "tokens_trained", "generate_s", "train_s")
 
 
 def spread(losses: list):
@@ -57,6 +64,9 @@ def scorecard(run_dir, problem=None, target_loss: float = None) -> dict:
         "worker_spread": sum(spreads) / len(spreads) if spreads else 0.0,
         "wall_s": last["wall_s"], "strategy_options": options,
         "worker_speeds": config.get("worker_speeds", ""), "speed_policy": config.get("speed_policy", "fixed"),
+        "objective": config.get("objective", "sft"),
+        **{k: v for key in ACCURACIES if key in last for k, v in ((f"{key}_start", rows[0].get(key)), (key, last[key]))},
+        **{key: last[key] for key in TOTALS if key in last},
     }
 
 
@@ -88,6 +98,8 @@ def fmt(value, kind: str = "") -> str:
         return f"{value:,.0f} s" if value >= 10 else f"{value:.1f} s"
     if kind == "%":
         return f"{100 * value:.0f}%" if value >= 0.1 else f"{100 * value:.1f}%"
+    if kind == "points":  # an accuracy, to a tenth of a point
+        return f"{100 * value:.1f}%"
     if isinstance(value, float):
         return f"{value:.4f}" if kind == "loss" else f"{value:.3g}"
     return f"{value:,}" if isinstance(value, int) else str(value)
@@ -101,11 +113,19 @@ COLUMNS = [("run", "label", ""), ("workers", "workers", ""), ("eval loss", "fina
            ("worker spread", "worker_spread", "")]
 
 
+# Shown where a scorecard has them (post-training's).
+OBJECTIVE_COLUMNS = [("accuracy at start", "eval_accuracy_start", "points"), ("accuracy", "eval_accuracy", "points"),
+                     ("pairs at start", "eval_pair_accuracy_start", "points"), ("pairs", "eval_pair_accuracy", "points"),
+                     ("DPO reward accuracy", "eval_reward_accuracy", "points"),
+                     ("generating", "generate_s", "s"), ("training", "train_s", "s")]
+
+
 def table(cards: list) -> str:
     """A Markdown table of scorecards, one row each."""
-    head = "| " + " | ".join(name for name, _, _ in COLUMNS) + " |"
-    rule = "|" + "|".join("---" for _ in COLUMNS) + "|"
-    rows = ["| " + " | ".join(fmt(c.get(key), kind) for _, key, kind in COLUMNS) + " |" for c in cards]
+    columns = COLUMNS + [c for c in OBJECTIVE_COLUMNS if any(card.get(c[1]) is not None for card in cards)]
+    head = "| " + " | ".join(name for name, _, _ in columns) + " |"
+    rule = "|" + "|".join("---" for _ in columns) + "|"
+    rows = ["| " + " | ".join(fmt(c.get(key), kind) for _, key, kind in columns) + " |" for c in cards]
     return "\n".join([head, rule] + rows)
 
 
@@ -125,7 +145,19 @@ def describe(card: dict) -> str:
         f"  measured here: {time_spent(card)}",
         f"  sent per worker {fmt(card['bytes_sent_per_worker'], 'bytes')}, largest exchange "
         f"{fmt(card['peak_exchange_bytes'], 'bytes')}; worker spread (eval loss max - min) {card['worker_spread']:.4f}",
-    ])
+    ] + [f"  {card['objective']}: {post_training(card)}"] * (card.get("objective", "sft") != "sft"))
+
+
+def post_training(card: dict) -> str:
+    """A post-training run's held-out accuracies, start to end, and its generation, in a line."""
+    said = {"eval_accuracy": "held-out accuracy (greedy)", "eval_pair_accuracy": "held-out pairs chosen over rejected",
+            "eval_reward_accuracy": "DPO reward accuracy"}
+    parts = [f"{said[key]} {fmt(card[f'{key}_start'], 'points')} -> {fmt(card[key], 'points')}"
+             for key in ACCURACIES if card.get(key) is not None]
+    if card.get("tokens_generated") is not None:
+        parts.append(f"{fmt(card['tokens_generated'])} tokens generated; per worker {fmt(card['generate_s'], 's')} "
+                     f"generating, {fmt(card['train_s'], 's')} training")
+    return "; ".join(parts)
 
 
 def time_spent(s: dict) -> str:
@@ -145,13 +177,15 @@ def plot(cards: list, out: Path, title: str = None) -> Path:
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     runs = [(c, MetricsLog.read(c["run_dir"])) for c in cards]
+    # post-training: its held-out accuracy, where every run has one; else the eval loss
+    metric = next((k for k in ACCURACIES if all(k in r for _, rows in runs for r in rows)), "eval_loss")
     links = sorted({c["link"] for c in cards})
     keys = [("modelled_time_s", "modelled wall-clock (s)" + (f" on {links[0]}" if len(links) == 1 else "")),
             ("bytes_sent_per_worker", "bytes sent per worker"), amount_axis(runs)]
     curves = [(c["label"] + (f" on {c['link']}" if len(links) > 1 else ""), rows) for c, rows in runs]
     for ax, (key, name) in zip(axes, keys):
-        loss_curves(ax, curves, key, name)
-        ax.set_ylabel("eval loss (global model)")
+        loss_curves(ax, curves, key, name, metric)
+        ax.set_ylabel("eval loss (global model)" if metric == "eval_loss" else f"{metric} (global model)")
     targets = {c["target_loss"] for c in cards if c.get("target_loss") is not None}
     for ax in axes:
         for t in targets:

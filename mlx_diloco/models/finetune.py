@@ -36,9 +36,12 @@ def lora_keys(config) -> list:
 
 def adapter_config(config) -> dict:
     """The keys of mlx-lm's adapter_config.json that its load_adapters and fuse read (full
-    fine-tuning: lora_parameters None, as mlx_lm.lora writes it)."""
+    fine-tuning: lora_parameters None, as mlx_lm.lora writes it); lora_parameters also holds the two
+    that mlx-lm-lora writes there (use_dora, num_layers), so the file is a superset of both."""
+    adapted = config.fine_tune_type in ADAPTER_TYPES
     return {"fine_tune_type": config.fine_tune_type, "num_layers": config.num_layers,
-            "lora_parameters": lora_parameters(config) if config.fine_tune_type in ADAPTER_TYPES else None}
+            "lora_parameters": {**lora_parameters(config), "use_dora": config.fine_tune_type == "dora",
+                                "num_layers": config.num_layers} if adapted else None}
 
 
 def adapted_blocks(config, num_blocks: int):

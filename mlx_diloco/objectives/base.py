@@ -7,7 +7,8 @@ A run (training/run.py) asks its objective for four things, each a no-op for SFT
   that depends on the policies now (the reference's log-probabilities, GRPO's rollouts and rewards);
 - `eval_batches(workers, batches)`: the held-out batches, likewise;
 - `report(run)`: the objective's metrics for the evaluation's row (every process calls it: it
-  gathers the workers' values), and `summary_keys`, those of them the run's summary repeats.
+  gathers the workers' values), and `summary_keys`, those of them the run's summary repeats;
+- `state()` and `load_state()`: its running totals, in a checkpoint's meta.
 """
 
 from contextlib import contextmanager
@@ -37,6 +38,13 @@ class Objective:
 
     def report(self, run) -> dict:
         return {}
+
+    def state(self) -> dict:
+        """What a checkpoint keeps of the objective (its meta: plain numbers): its running totals."""
+        return {}
+
+    def load_state(self, state: dict):
+        pass
 
 
 def completion_logps(model, x, targets, temperature: float = 1.0):
@@ -113,6 +121,15 @@ class Tally:
 
     def clear(self):
         self.sums[:] = 0.0
+
+    def state(self) -> dict:
+        return {"keys": self.keys, "sums": self.sums.tolist()}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "Tally":
+        tally = cls(len(state["sums"]), state["keys"])
+        tally.sums[:] = state["sums"]
+        return tally
 
 
 def members_of(tick, n_local: int) -> np.ndarray:

@@ -102,6 +102,10 @@ class GRPO(Objective):
         return grpo_loss(model, x, y, self.beta, c.epsilon, c.epsilon_high or c.epsilon, c.grpo_loss_type,
                          c.temperature, c.max_completion_length)
 
+    def eval_batches(self, workers, batches):
+        """The held-out prompts with their answers as completions (the loss scores the answers' NLL)."""
+        return [(x, {"targets": y}) for x, y in batches]
+
     def batch(self, run, x, y, tick):
         """Each local worker's rollouts of its prompts (y: their indices), scored: the loss's batch."""
         start, n = time.perf_counter(), x.shape[0]
@@ -176,9 +180,19 @@ class GRPO(Objective):
                "generate_s": float(np.mean(total["generate_s"])), "train_s": float(np.mean(total["train_s"]))}
         return {**row, **(self.held_out(run) if run.reporter else {})}
 
+    def state(self) -> dict:
+        return {"total": self.total.state()} if self.total else {}
+
+    def load_state(self, state: dict):
+        if state:  # the totals since the start; the next evaluation's are from the resumed step on
+            self.total = Tally.from_state(state["total"])
+            self.tally = Tally(len(self.total.sums), STATS)
+
     def kl_to_reference(self, run) -> list:
         """Each local worker's KL to the reference (k3, the mean over its completion tokens) on its
-        last rollouts, under its policy now."""
+        last rollouts, under its policy now (NaN before any: a run resumed at its end)."""
+        if self.last is None:
+            return [float("nan")] * run.comm.n_local
         inputs, targets = self.last
         ref = self.reference.logps(run.workers, inputs, targets, self.config.temperature)
         out = []

@@ -63,6 +63,13 @@ class Preference(Objective):
         chosen, rejected = (np.concatenate(side) for side in zip(*(halves(s) for s, _ in scores)))
         return {**row, "eval_pair_accuracy": float(np.mean(chosen > rejected)), **self.held_out_metrics(scores)}
 
+    def state(self) -> dict:
+        return {"counts": self.counts.state()} if self.counts else {}
+
+    def load_state(self, state: dict):
+        if state:
+            self.counts = Tally.from_state(state["counts"])
+
     def held_out_metrics(self, scores: list) -> dict:
         """More metrics of the held-out pairs from [(the global model's summed log-probabilities of each
         row, the batch's loss inputs)]."""

@@ -168,9 +168,11 @@ def exit_with_parent():
     threading.Thread(target=watch, daemon=True).start()
 
 
-def simulate(config: TrainConfig, run_dir: Path, processes: int = 0, resume: bool = False, log=print) -> dict:
+def simulate(config: TrainConfig, run_dir: Path, processes: int = 0, resume: bool = False, log=print,
+             callbacks=None) -> dict:
     """Train `config`'s simulated workers on this machine (in `processes` processes; 0: one per
-    core on a CPU) and return the run's summary: what `sim`, `gym run` and `sweep` do."""
+    core on a CPU) and return the run's summary: what `sim`, `gym run` and `sweep` do. `callbacks`
+    (one process) hear the run (training/callbacks.py)."""
     from ..exchange.comm import SimCommunicator
     from .run import Run
     run_dir = Path(run_dir)
@@ -178,7 +180,7 @@ def simulate(config: TrainConfig, run_dir: Path, processes: int = 0, resume: boo
     if K > 1:
         run_processes(config, run_dir, K, resume=resume, log=log)
         return json.loads((run_dir / "summary.json").read_text())
-    run = Run(config, run_dir, SimCommunicator(config.workers), resume=resume, log=log)
+    run = Run(config, run_dir, SimCommunicator(config.workers), resume=resume, log=log, callbacks=callbacks)
     log(f"{run.config.strategy} with {run.config.workers} simulated workers, model {run.config.model} "
         f"({run.n_params / 1e6:.2f}M parameters), data {run.config.data} -> {run_dir}")
     return run.train()

@@ -644,7 +644,8 @@ class Run:
         meta = {"config": self.config.to_dict(), "cursors": [s.state() for s in self.samplers],
                 "compute_s": self.compute_s, "worker_speeds": self.pacing.worker_speeds(),
                 "exchanges": self.ledger.state(), "waits_s": {k: spent[k] for k in self.waited_s},
-                "model_preset": self.spec.params if self.spec else None, "vocab_size": self.data.vocab_size}
+                "model_preset": self.spec.params if self.spec else None, "vocab_size": self.data.vocab_size,
+                "objective": self.objective.state()}
         if self.place.ring_slots:
             meta["membership"] = {"ring_slots": self.place.ring_slots,
                                   "history": self.place.membership or self.config.membership}
@@ -662,6 +663,7 @@ class Run:
         self.pacing.resume_with(meta["worker_speeds"])
         self.ledger.load_state(meta["exchanges"])
         self.waited_s = meta.get("waits_s", self.waited_s)
+        self.objective.load_state(meta.get("objective") or {})
 
     def save_checkpoint(self):
         # Weights not yet exchanged (other fragments', or with an exchange in flight) are checked here:

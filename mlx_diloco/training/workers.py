@@ -1,6 +1,8 @@
 """The model replicas one process trains.
 
-Parameters are stacked on a leading worker axis. Several replicas step at once through `mx.vmap`:
+Parameters are stacked on a leading worker axis, and so are the batches: inputs x and targets y, an
+array or a tree of them (a post-training objective's batch: objectives/). Several replicas step at
+once through `mx.vmap`:
 the gradients of the vmapped losses' sum are each replica's own, and MLX's fused kernels fold the
 replica axis into the batch axis (models/kernels.py); one replica steps without vmap, as a plain
 MLX script does. The inner AdamW (elementwise) updates them all; anything that couples
