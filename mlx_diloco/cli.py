@@ -276,6 +276,9 @@ def cmd_launch(args):
         mlx_file = MlxHostfile.read(args.hostfile) if args.hostfile else None  # its machines' agents, in its order
         found = [Found(h.agent_address, DEFAULT_PORT) for h in mlx_file.hosts] if mlx_file else found_agents(args)
         config = config_from_flags(args, defaults={"workers": len(found)})
+        if config.objective != "sft":  # its data's shards and a reward file's rule on the agents are to come
+            raise ConfigError(f"launch --objective {config.objective} is not supported yet; train it with "
+                              "'mlx-diloco sim' (docs/post-training.md)")
         if args.dry_run:
             print(dry_run(found, secret, config.workers, args.backend, mlx_file, log=lambda m: print(m, file=sys.stderr)))
             return

@@ -78,3 +78,24 @@ def tiny_llama_folder(folder, layers: int = 2, quantize: bool = False, corpus: s
     save_model(folder, model)
     save_config(config, folder / "config.json")
     return folder
+
+
+def addition_task(root):
+    """The addition task's data (gym/addition.py, a few sums) and, in root/model, a random tiny Llama
+    over its tokenizer (an mlx-lm folder): what the post-training tests start from, nothing trained."""
+    from dataclasses import asdict
+    import mlx.core as mx
+    from mlx_lm.models.llama import Model, ModelArgs
+    from mlx_lm.utils import save_config, save_model
+    from mlx_diloco.gym.addition import write_data, write_tokenizer
+    model_dir = write_tokenizer(root / "model")
+    args = ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                     num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=16,
+                     max_position_embeddings=64, tie_word_embeddings=False)
+    mx.random.seed(0)
+    model = Model(args)
+    mx.eval(model.parameters())
+    save_model(model_dir, model)
+    save_config({k: v for k, v in asdict(args).items() if v is not None}, model_dir / "config.json")
+    write_data(root, train=64, valid=16)
+    return root

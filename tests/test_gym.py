@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from conftest import run_cli
+from conftest import addition_task, run_cli
 from mlx_diloco.config import ConfigError, TrainConfig
 from mlx_diloco.exchange.comm import SimCommunicator
 from mlx_diloco.gym import scorecard
@@ -21,10 +21,12 @@ TINY = dict(model="tiny", seq_len=16, batch_size=4, eval_batches=2, warmup=2)
 TINY_FLAGS = ["--model", "tiny", "--seq-len", "16", "--batch-size", "4", "--eval-batches", "2", "--warmup", "2"]
 
 
-def test_every_problem_is_a_valid_config():
+def test_every_problem_is_a_valid_config(tmp_path):
+    task = addition_task(tmp_path)  # the post-training problems' paths, without training their SFT start
     for p in PROBLEMS.values():
         for size in ("cpu", "large"):
-            resolve(TrainConfig.from_dict(p.settings(size)))
+            paths = {"model": str(task / "model"), "data": str(task / p.config["objective"])} if p.task else {}
+            resolve(TrainConfig.from_dict({**p.settings(size), **paths}))
     out = run_cli("gym", "list")
     assert out.returncode == 0 and all(name in out.stdout for name in PROBLEMS)
 

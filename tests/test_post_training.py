@@ -5,17 +5,16 @@ rows, a reward function failing mid-run (one line, the last checkpoint intact), 
 mlx-lm's and mlx-lm-lora's layouts, the Python API and mlx-lm-lora's YAML."""
 
 import json
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from conftest import assert_same_arrays, resumed_run, run_cli
+from conftest import addition_task, assert_same_arrays, resumed_run, run_cli
 from mlx_diloco.config import ConfigError, TrainConfig
 from mlx_diloco.exchange.comm import SimCommunicator
-from mlx_diloco.gym.addition import write_data, write_tokenizer
 from mlx_diloco.run_folder import latest_step
 from mlx_diloco.training.callbacks import TrainingCallback
 from mlx_diloco.training.metrics import MetricsLog
@@ -24,21 +23,7 @@ from mlx_diloco.training.run import Run
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    """A random tiny Llama over the addition task's tokenizer (an mlx-lm folder), and the task's data."""
-    from mlx_lm.models.llama import Model, ModelArgs
-    from mlx_lm.utils import save_config, save_model
-    root = tmp_path_factory.mktemp("addition")
-    model_dir = write_tokenizer(root / "model")
-    args = ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
-                     num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=16,
-                     max_position_embeddings=64, tie_word_embeddings=False)
-    mx.random.seed(0)
-    model = Model(args)
-    mx.eval(model.parameters())
-    save_model(model_dir, model)
-    save_config({k: v for k, v in asdict(args).items() if v is not None}, model_dir / "config.json")
-    write_data(root, train=64, valid=16)
-    return root
+    return addition_task(tmp_path_factory.mktemp("addition"))
 
 
 def config(task, objective, **keys):
@@ -198,3 +183,26 @@ def test_the_api_trains_an_objective_on_data_named_by_path(task, tmp_path):
     assert any("lora_b" in k for k, _ in tree_flatten(result.model.trainable_parameters()))
     with pytest.raises(ConfigError, match="give the model as a model folder or preset name"):
         Trainer(object(), None, str(task / "dpo"), objective="dpo")
+
+
+def test_a_post_training_run_is_scored_and_plotted(task, tmp_path):
+    from mlx_diloco.gym import scorecard
+    from mlx_diloco.plot import plot_runs
+    train(config(task, "grpo", steps=2), tmp_path / "grpo")
+    train(config(task, "dpo", steps=2), tmp_path / "dpo")
+    cards = [scorecard.scorecard(tmp_path / name) for name in ("grpo", "dpo")]
+    assert cards[0]["objective"] == "grpo" and cards[0]["eval_accuracy_start"] is not None
+    assert cards[0]["tokens_generated"] > 0 and cards[1]["eval_pair_accuracy"] is not None
+    table = scorecard.table(cards)
+    assert "| accuracy at start | accuracy |" in table and "| pairs at start | pairs |" in table
+    assert "grpo: held-out accuracy (greedy)" in scorecard.describe(cards[0])
+    assert cards[0]["label"].endswith("grpo")
+    png = plot_runs([tmp_path / "grpo", tmp_path / "dpo"], tmp_path / "runs.png")
+    assert png.stat().st_size > 10_000
+    assert scorecard.plot(cards[:1], tmp_path / "card.png").is_file()
+
+
+def test_launch_says_an_objective_is_for_sim_for_now():
+    out = run_cli("launch", "--hosts", "127.0.0.1", "--objective", "grpo", env={"MLX_DILOCO_SECRET": "s" * 32})
+    assert out.returncode != 0
+    assert "launch --objective grpo is not supported yet; train it with 'mlx-diloco sim'" in out.stderr

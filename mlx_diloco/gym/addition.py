@@ -9,9 +9,9 @@ sums in each split, train's and valid's disjoint,
     grpo/  {"prompt": "123+45=", "answer": "168"}          (GRPO: the exact answer is the reward)
     dpo/   {"prompt": "123+45=", "chosen": "168", "rejected": "178"}   (a digit of the sum off by one)
 
-and the SFT start: a tiny Llama (llama-tiny's shape, this vocabulary) trained from scratch on sft/
-with the prompt masked, for a few hundred steps (enough to write sums, not to get most right), then
-exported as an mlx-lm model folder: the base the GRPO and DPO problems put adapters on.
+and the SFT start: a tiny Llama (hidden 64, 2 blocks, this vocabulary) trained from scratch on sft/
+with the prompt masked, stopped partway (it writes sums, and gets many wrong), then exported as an
+mlx-lm model folder: the base the GRPO and DPO problems put adapters on.
 """
 
 import json
@@ -31,9 +31,11 @@ TRAIN, VALID = 20000, 500
 MODEL = {"type": "llama", "vocab_size": 16, "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 4, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
          "max_position_embeddings": 32, "tie_word_embeddings": False}
-# One worker; short of the steps that solve the task (1,600 steps: 62% held out), so that GRPO has room.
+# One worker, a schedule of 1,200 steps (which ends at 87% held out), stopped at step 800: a start
+# that writes sums but gets many wrong, so that GRPO and DPO have room.
 SFT = dict(workers=1, strategy="ddp", steps=1200, batch_size=64, lr=3e-3, warmup=50, weight_decay=0.0,
            mask_prompt=True, seq_len=16, eval_every=100, eval_batches=4)
+SFT_STOP = 800
 
 
 def write_tokenizer(folder: Path) -> Path:
@@ -91,7 +93,8 @@ def prepare(folder: Path = None, log=print) -> Path:
     """The task's folder, made once (tokenizer/, data, sft-model/: the SFT start, an mlx-lm folder)."""
     from ..config import TrainConfig
     from ..export import export_mlx_lm
-    from ..training.processes import simulate
+    from ..exchange.comm import SimCommunicator
+    from ..training.run import Run
     folder = Path(folder or cache_root() / "addition")
     if (folder / "sft-model" / "config.json").is_file():
         return folder
@@ -100,10 +103,10 @@ def prepare(folder: Path = None, log=print) -> Path:
     (folder / "model.json").write_text(json.dumps(MODEL))
     run = folder / "sft-run"
     shutil.rmtree(run, ignore_errors=True)
-    log(f"the addition task's SFT start: a tiny Llama trained on {folder / 'sft'} ({SFT['steps']} steps)")
+    log(f"the addition task's SFT start: a tiny Llama trained on {folder / 'sft'} ({SFT_STOP} steps)")
     config = TrainConfig.from_dict({**SFT, "model": str(folder / "model.json"), "data": str(folder / "sft"),
                                     "tokenizer": str(folder / "tokenizer")})
-    simulate(config, run, 1, log=log)
+    Run(config, run, SimCommunicator(1), log=log).train(stop_after=SFT_STOP)
     export_mlx_lm(run, folder / "sft-model.tmp")
     (folder / "sft-model.tmp").rename(folder / "sft-model")  # last: its presence marks the task made
     return folder
