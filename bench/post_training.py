@@ -45,16 +45,14 @@ def main():
 
     for objective in args.only:
         problem = get_problem(f"addition-{objective}")
-        settings = problem.prepared(log=lambda m: print(m, flush=True))
         cards = {}
         for label, setup in SETUPS[objective].items():
             run_dir = Path(args.out) / objective / label.replace(" ", "-")
+            settings = problem.prepared(log=lambda m: print(m, flush=True), strategy=setup.get("strategy", "diloco"))
             config = {**settings, **setup}
-            if config.get("strategy") == "ddp":
-                config.pop("sync_every", None)
             if config.get("workers") == 1:  # the prompts the four workers see, one after another
                 config["steps"] *= settings["workers"]
-                config["eval_every"] = settings["sync_every"] * settings["workers"]
+                config["eval_every"] *= settings["workers"]
             if not (run_dir / "summary.json").exists():
                 simulate(TrainConfig.from_dict(config), run_dir, log=lambda m: None,
                          resume=latest_step(run_dir) is not None)

@@ -225,12 +225,13 @@ class Trainer:
         arrays, meta = checkpoint.load(run_dir, log=lambda m: None)
         model.update(global_parameters(model, arrays, meta))
         mx.eval(model.parameters())
-        return self.result(run_dir, model)
+        return self.result(run_dir, model, meta)
 
     @staticmethod
-    def result(run_dir: Path, model) -> FitResult:
-        """The FitResult of a run another process (or `simulate`) trained, from its folder."""
-        _, meta = checkpoint.load(run_dir, log=lambda m: None)
+    def result(run_dir: Path, model, meta: dict = None) -> FitResult:
+        """The FitResult of a run another process (or `simulate`) trained, from its folder (and its
+        last checkpoint's `meta` where the caller has read it)."""
+        meta = meta or checkpoint.load(run_dir, log=lambda m: None)[1]
         summary = json.loads((run_dir / "summary.json").read_text())
         return FitResult(model, MetricsLog.read(run_dir), summary["bytes_sent_per_worker"], summary, run_dir,
                          [tuple(e) for e in meta["exchanges"]["log"]], meta["compute_s"] / max(meta["step"], 1))

@@ -12,6 +12,7 @@ machine that ran it. Exchanges are timed on the problem's link (exchange/network
 from dataclasses import dataclass, field
 
 from ..config import ConfigError
+from ..strategies import STRATEGIES, option_names, strategy_class
 
 SIZES = ("cpu", "large")
 
@@ -30,9 +31,15 @@ class Problem:
             raise ConfigError(f"size must be one of {', '.join(SIZES)} (got '{size}')")
         return {**self.config, **(self.large if size == "large" else {})}
 
-    def prepared(self, size: str = "cpu", log=print) -> dict:
-        """The settings, with the paths of the problem's task where it makes its own (once)."""
-        return {**self.settings(size), **(self.task(log) if self.task else {})}
+    def prepared(self, size: str = "cpu", log=print, strategy: str = None) -> dict:
+        """The settings, with the paths of the problem's task where it makes its own (once); with a
+        `strategy`, without the problem's options of other strategies (its H, for DDP)."""
+        settings = {**self.settings(size), **(self.task(log) if self.task else {})}
+        if strategy:
+            theirs = option_names(strategy_class(strategy))
+            others = {name for cls in STRATEGIES.values() for name in option_names(cls)} - theirs
+            settings = {k: v for k, v in settings.items() if k not in others}
+        return settings
 
 
 def addition(form: str):
