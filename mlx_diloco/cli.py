@@ -127,7 +127,7 @@ def cmd_gym_run(args):
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
     strategy = args.strategy or (TrainConfig.from_file(args.config).strategy if args.config else None)
     config = config_from_args(args) if args.resume else config_from_flags(
-        args, defaults=problem.prepared(args.size, log, strategy=strategy or problem.settings().get("strategy")))
+        args, defaults=problem.prepared(args.size, log, strategy))
     run_dir = Path(args.run_dir or f"runs/gym/{problem.name}/{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
     args.on_interrupt = f"continue with: mlx-diloco gym run {problem.name} --resume --run-dir {run_dir}"
     start_dashboard(args, run_dir)

@@ -27,6 +27,8 @@ def test_every_problem_is_a_valid_config(tmp_path):
         for size in ("cpu", "large"):
             paths = {"model": str(task / "model"), "data": str(task / p.config["objective"])} if p.task else {}
             resolve(TrainConfig.from_dict({**p.settings(size), **paths}))
+            # any strategy runs it: the problem's options of others (its H) are left out
+            resolve(TrainConfig.from_dict({**p.settings(size, "ddp"), **paths, "strategy": "ddp"}))
     out = run_cli("gym", "list")
     assert out.returncode == 0 and all(name in out.stdout for name in PROBLEMS)
 

@@ -176,3 +176,20 @@ def test_group_advantages_as_trl_computes_them():
     batch, _ = group_advantages(rewards, 4, "batch")
     np.testing.assert_allclose(batch[:4], (g - g.mean()) / (np.nanstd(rewards, ddof=1) + 1e-4))
     assert math.isclose(float(np.nansum(advantages)), 0.0, abs_tol=1e-9)
+
+
+def test_dr_grpo_drops_the_std_unless_scale_rewards_keeps_it(tmp_path):
+    """Dr. GRPO's two changes (the constant normalizer, no std), both by one option, said when run."""
+    from conftest import addition_task
+    from mlx_diloco.config import TrainConfig
+    from mlx_diloco.training.resolve import resolve
+    task = addition_task(tmp_path)
+    base = dict(model=str(task / "model"), data=str(task / "grpo"), objective="grpo", fine_tune_type="lora",
+                seq_len=16, max_completion_length=6)
+    dr = TrainConfig.from_dict({**base, "grpo_loss_type": "dr_grpo"})
+    assert dr.reward_scaling() == "none"
+    said = "advantages not divided by the group's reward std"
+    assert any(said in note for note in resolve(dr).notes)
+    kept = TrainConfig.from_dict({**base, "grpo_loss_type": "dr_grpo", "scale_rewards": "group"})
+    assert kept.reward_scaling() == "group" and not any(said in note for note in resolve(kept).notes)
+    assert TrainConfig.from_dict(base).reward_scaling() == "group"

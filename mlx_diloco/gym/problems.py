@@ -26,21 +26,21 @@ class Problem:
     large: dict = field(default_factory=dict)  # what the large variant changes
     task: object = None     # task(log) -> {"model": ..., "data": ...}: paths made on first use (gym/addition.py)
 
-    def settings(self, size: str = "cpu") -> dict:
+    def settings(self, size: str = "cpu", strategy: str = None) -> dict:
+        """The config keys of variant `size`; for `strategy`, without the problem's options of other
+        strategies (the post-training problems' H, for DDP)."""
         if size not in SIZES:
             raise ConfigError(f"size must be one of {', '.join(SIZES)} (got '{size}')")
-        return {**self.config, **(self.large if size == "large" else {})}
-
-    def prepared(self, size: str = "cpu", log=print, strategy: str = None) -> dict:
-        """The settings, with the paths of the problem's task where it makes its own (once); with a
-        `strategy`, without the problem's options of other strategies (its H, for DDP)."""
-        settings = {**self.settings(size), **(self.task(log) if self.task else {})}
+        settings = {**self.config, **(self.large if size == "large" else {})}
         if strategy:
-            theirs = option_names(strategy_class(strategy))
-            others = {name for cls in STRATEGIES.values() for name in option_names(cls)} - theirs
+            others = {name for cls in STRATEGIES.values() for name in option_names(cls)}
+            others -= option_names(strategy_class(strategy))
             settings = {k: v for k, v in settings.items() if k not in others}
         return settings
 
+    def prepared(self, size: str = "cpu", log=print, strategy: str = None) -> dict:
+        """The settings, with the paths of the problem's task where it makes its own (once)."""
+        return {**self.settings(size, strategy), **(self.task(log) if self.task else {})}
 
 def addition(form: str):
     """The addition task's SFT start and its data in `form` (gym/addition.py), made on first use."""

@@ -62,6 +62,9 @@ def resolve(config: TrainConfig) -> Resolved:
                      f"{blocks}, as mlx-lm puts them")
         config = replace(config, num_layers=blocks)
     check_objective_model(config, spec)
+    if config.objective == "grpo" and config.grpo_loss_type == "dr_grpo" and not config.scale_rewards:
+        notes.append("grpo-loss-type dr_grpo: advantages not divided by the group's reward std (scale-rewards "
+                     "none), as Dr. GRPO's paper has it; pass --scale-rewards group to keep it")
     strategy.check_model(spec, adapted_blocks(config, spec.num_blocks))  # adapters: what the strategy exchanges
     if config.seq_len == 0 and spec.is_language_model and not arrays:
         config = replace(config, seq_len=min(spec.context_length, DEFAULT_MAX_SEQ_LEN))
