@@ -86,8 +86,10 @@ def test_adapters_train_and_the_base_is_frozen(base, kind, leaves):
 
 def test_adapter_config_is_mlx_lm_s_shape():
     config = lora_config("x", lora_scale=10.0, lora_dropout=0.1)
+    # mlx-lm's keys, and inside lora_parameters the two mlx-lm-lora writes there too (a superset of both)
     assert adapter_config(config) == {"fine_tune_type": "lora", "num_layers": 2,
-                                      "lora_parameters": {"rank": RANK, "scale": 10.0, "dropout": 0.1}}
+                                      "lora_parameters": {"rank": RANK, "scale": 10.0, "dropout": 0.1,
+                                                          "use_dora": False, "num_layers": 2}}
     assert adapter_config(TrainConfig())["lora_parameters"] is None  # full, as mlx_lm.lora writes it
 
 
