@@ -10,12 +10,14 @@ from dataclasses import field, fields
 from functools import partial
 
 
-def option(default, help: str, **kwargs):
+def option(default, help: str, choices: tuple = None, flag: bool = True, **kwargs):
     """A config key or strategy option: a dataclass field with its default and its help, the one
-    line that `--help` shows; the flags, the API's arguments and `plan` are derived from it."""
+    line that `--help` shows; the flags, the API's arguments and `plan` are derived from it.
+    `choices`: the values it takes; `flag`: False for a setting no command line sets."""
+    metadata = {"help": help, "choices": choices, "flag": flag}
     if isinstance(default, (dict, list)):  # mutable: every instance gets its own copy
-        return field(default_factory=partial(copy.deepcopy, default), metadata={"help": help}, **kwargs)
-    return field(default=default, metadata={"help": help}, **kwargs)
+        return field(default_factory=partial(copy.deepcopy, default), metadata=metadata, **kwargs)
+    return field(default=default, metadata=metadata, **kwargs)
 
 
 class ConfigError(ValueError):
