@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from .. import hub, run_status
 from ..atomic import atomic_write_text
+from ..schedule import SyncSchedule
 from ..config import ConfigError, TrainConfig
 from ..training.metrics import MetricsLog, human_bytes
 from ..worker_job import STOPPED_FOR_CHANGE, WorkerJob
@@ -96,13 +97,13 @@ class JobState:
 RESTARTS = ("membership_change", "restarted")  # events whose total_s is time the job did not train
 
 
-def sync_grid(c: TrainConfig) -> int:
-    """Every how many steps the job's workers sync, with the strategy's default H when not given
-    (0: every step, or when workers report (quorum rounds): a blocked worker is in an exchange).
+def sync_grid(c: TrainConfig) -> SyncSchedule:
+    """When the job's workers all sync, with the strategy's default H when not given (every 0:
+    every step, or when workers report (quorum rounds): a blocked worker is in an exchange).
     Streaming fragments' staggered syncs are not on it: a worker blocked in one shows as waiting."""
     from ..strategies import make_strategy  # (MLX, on call: the launcher's planning imports without it)
     strategy = make_strategy(c.strategy, c.strategy_options)
-    return strategy.sync_every if strategy.syncs_every_h else 0
+    return SyncSchedule(strategy.sync_every if strategy.syncs_every_h else 0)
 
 
 class JobFailed(Exception):
@@ -613,8 +614,8 @@ class Launcher:
         if progress.get("stopped"):
             return "restarting"
         if progress["age_s"] > max(2.0, 3 / (steps_per_s or 1)):
-            period = self.sync_grid
-            return "syncing" if not period or (progress["step"] + 1) % period == 0 else "waiting"
+            grid = self.sync_grid
+            return "syncing" if not grid.every or grid.syncs(progress["step"] + 1) else "waiting"
         return "training"
 
     def _truncate_mirrors(self, step: int):

@@ -30,6 +30,7 @@ import mlx.optimizers as optim
 from ..exchange.worker_axis import replica
 from ..models.precision import round_bf16_stochastically
 from ..options import ConfigError, checked_value, did_you_mean, option  # noqa: F401 (option: strategies import it from here)
+from ..schedule import SyncSchedule
 
 
 def lr_schedule(config, peak: float = None):
@@ -121,6 +122,13 @@ class Strategy:
     def sync_every(self) -> int:
         """Inner steps between the strategy's periodic syncs (0: it has none)."""
         return 0
+
+    @property
+    def schedule(self) -> SyncSchedule:
+        """When this strategy's workers meet (schedule.py): every sync_every steps at its fragments'
+        offsets, an exchange landing overlap_steps after it starts."""
+        offsets = tuple(f.offset for f in getattr(self, "model_fragments", [])) or (0,)
+        return SyncSchedule(self.sync_every, offsets, getattr(self, "overlap_steps", 0))
 
     def outer_steps_done(self, steps: int):
         """Outer steps (syncs) done after `steps` inner steps and their `after_step`, for the metrics
