@@ -2,7 +2,7 @@
 four configurations, here and there, one after the other; every row's keys compared, and every
 value that does not depend on the clock (losses, tokens, bytes, members, the modelled link time).
 
-    python bench/same_rows.py --base /work/base [--steps 100]
+    python bench/same_rows.py --base /work/base [--steps 100] [-- FLAGS FOR EVERY RUN, e.g. --model tiny]
 
 --base: a folder holding the other checkout's `mlx_diloco` package. --steps: cut each run short
 (default: each configuration's own steps). Exits 1 when a row differs, naming the first difference.
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CONFIGURATIONS = {
     "default sim": [],
-    "streaming int4 with error feedback": ["--fragments", "3", "--overlap-steps", "1", "--compress", "int4",
+    "streaming int4 with error feedback": ["--fragments", "2", "--overlap-steps", "1", "--compress", "int4",
                                            "--error-feedback"],
     "quorum rounds": ["--strategy", "quorum", "--quorum", "3", "--grace-steps", "2", "--worker-speeds", "1,1,0.5,1",
                       "--speed-policy", "time"],
@@ -58,11 +58,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True, help="the other checkout (a folder holding its mlx_diloco package)")
     p.add_argument("--steps", type=int, help="steps of each run (default: the configuration's)")
+    p.add_argument("flags", nargs="*", help="sim flags added to every run (after --)")
     args = p.parse_args()
     failed = False
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, flags) in enumerate(CONFIGURATIONS.items()):
-            flags = flags + (["--steps", str(args.steps)] if args.steps else [])
+            flags = flags + args.flags + (["--steps", str(args.steps)] if args.steps else [])
             here = rows(ROOT, flags, Path(tmp) / f"here-{i}")
             there = rows(Path(args.base).resolve(), flags, Path(tmp) / f"there-{i}")
             why = difference(here, there)
