@@ -35,7 +35,7 @@ LAUNCH_OPTIONS = {"on_loss", "collective_timeout", "heartbeat_timeout", "max_res
 # The sync rule in its written forms: (t - offset) % H, t % H, (t + 1) % period, ...
 SYNC_RULE = re.compile(r"\(\s*\w+(\s*[-+]\s*[\w.]+)+\s*\)\s*%\s*(self\.)?(H|sync_every|period|every)\b"
                        r"|\b(step|tick|t)\s*%\s*(self\.)?(H|sync_every|period|every)\b")
-TIMEOUT_DEFAULT = re.compile(r"collective_timeout\s*:\s*float\s*=\s*\d|--collective-timeout.*default=\d"
+TIMEOUT_DEFAULT = re.compile(r"collective_timeout\s*:\s*float\s*=\s*(option\()?\d|--collective-timeout.*default=\d"
                              r"|(init_ring|group).*timeout_s: float = \d")
 RECORD_KEYS = ("eval_loss", "train_loss", "sync_s", "compute_s", "link_s", "straggler_s", "bytes_sent_per_worker",
                "tokens_per_s", "final_eval_loss", "wall_s")

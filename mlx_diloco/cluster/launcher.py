@@ -97,13 +97,14 @@ class JobState:
 RESTARTS = ("membership_change", "restarted")  # events whose total_s is time the job did not train
 
 
-def sync_grid(c: TrainConfig) -> SyncSchedule:
-    """When the job's workers all sync, with the strategy's default H when not given (every 0:
-    every step, or when workers report (quorum rounds): a blocked worker is in an exchange).
+def sync_grid(config: dict) -> int:
+    """Every how many steps the job's workers sync, with the strategy's default H when not given
+    (0: every step, or when workers report (quorum rounds): a blocked worker is in an exchange).
     Streaming fragments' staggered syncs are not on it: a worker blocked in one shows as waiting."""
     from ..strategies import make_strategy  # (MLX, on call: the launcher's planning imports without it)
+    c = TrainConfig.from_dict(config)
     strategy = make_strategy(c.strategy, c.strategy_options)
-    return SyncSchedule(strategy.sync_every if strategy.syncs_every_h else 0)
+    return strategy.sync_every if strategy.syncs_every_h else 0
 
 
 class JobFailed(Exception):
@@ -251,7 +252,7 @@ class Launcher:
         self.restart_s = sum(e["total_s"] for e in self._events() if e["event"] in RESTARTS)
         self.status = run_status.StatusWriter(self.run_dir, "launch")  # what the dashboard shows of each worker
         self.step_rate, self.shown, self.offered = run_status.StepRate(), {}, {}
-        self.sync_grid = sync_grid(self.config)
+        self.sync_grid = SyncSchedule(sync_grid(state.config))
         self.last_steps = {}      # each worker's last reported step: where a lost one left
         self.pending_join = None  # a machine admitted at the next sync point
         self.discovered = queue.SimpleQueue()  # agents that appeared on mDNS (discovery.watch's thread)
