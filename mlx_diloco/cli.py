@@ -166,7 +166,7 @@ def cmd_worker(args):
     from .worker_job import STOPPED_FOR_CHANGE, WorkerJob
     job = WorkerJob.read(args.job)
     if job.simulated:
-        exit_with_parent()
+        exit_with_parent(job.sim_pid)
     config = TrainConfig.from_dict(job.config)
     comm = init_ring(job.collective_timeout, job.workers_per_process, job.backend)
     rank = comm.local_workers[0]

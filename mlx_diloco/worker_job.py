@@ -58,9 +58,14 @@ class WorkerJob(JobFile):
     collective_timeout: float = 60.0   # seconds a collective may wait for peers before this worker exits
     backend: str = "ring"              # MLX's backend between the workers: ring, or jaccl (RDMA over Thunderbolt 5)
     progress: str = None               # a JSON file rewritten every step (step, loss, tokens/s, sync time)
-    simulated: bool = False            # a process of sim, which reports the data's warnings and the summary itself
+    sim_pid: int = None                # a process of sim's: sim's process id (it exits once sim is gone); sim
+                                       # reports the data's warnings and the summary itself
     # An elastic cluster job (issue 24): the ring holds the job's current members only.
     ring_slots: list = None            # the slot (worker id, data shard) of each rank (default: the rank)
     membership: str = None             # who joined and left so far, membership.py's syntax (default: the config's)
     joiners: list = None               # slots that join at this start, taking the job's state from a member
     control: str = None                # a file the agent writes to make this worker save its state and exit
+
+    @property
+    def simulated(self) -> bool:
+        return self.sim_pid is not None
