@@ -12,6 +12,7 @@ from ..data.datasets import EMBEDDED, FASHION_MNIST, is_fashion_mnist_folder, lo
 from ..models.finetune import adapted_blocks, check_fine_tune
 from ..models.zoo import build_model, import_builder, load_spec
 from ..strategies import make_strategy
+from ..strategies.outer_lr import as_it_ran, with_outer_lr
 from . import checkpoint
 
 
@@ -20,7 +21,7 @@ def saved_config(run_dir: Path) -> TrainConfig:
     if latest_step(run_dir) is None:
         raise ConfigError(f"nothing to resume in {run_dir}: no checkpoint; drop --resume to start a new run")
     _, meta = checkpoint.load(run_dir, log=lambda m: None)  # Run._restore says which one it uses
-    return TrainConfig.from_dict(meta["config"])
+    return as_it_ran(TrainConfig.from_dict(meta["config"]))
 
 
 @dataclass
@@ -34,10 +35,16 @@ class Resolved:
 
 def resolve(config: TrainConfig) -> Resolved:
     """The config as the run will use and record it (local paths made absolute, so the run folder
-    works from any directory; seq-len 0 replaced by the model's context), with its strategy and
+    works from any directory; seq-len 0 replaced by the model's context; outer-lr auto replaced by
+    its number), with its strategy and
     model spec, each checked against the others. The strategy first: a misspelled option is the
     first thing said, before a model or data is looked for."""
     strategy = make_strategy(config.strategy, config.strategy_options)  # its options: names, types, ranges
+    notes = []
+    if (resolved := with_outer_lr(strategy, config.workers)) is not strategy:  # recorded as the number
+        strategy = resolved
+        config = replace(config, strategy_options={**config.strategy_options, "outer_lr": strategy.outer_lr})
+        notes.append(f"outer-lr auto: {strategy.outer_lr:g} for {config.workers} workers at H = {strategy.sync_every}")
     config.check_strategy(strategy)
 
     def absolute(path: str, names=()):
@@ -53,7 +60,6 @@ def resolve(config: TrainConfig) -> Resolved:
         raise ConfigError(f"model '{config.model}' does not fit data '{config.data}': "
                           "the cnn preset trains on fashion-mnist, language models on text")
     check_fine_tune(config, spec)
-    notes = []
     blocks = adapted_blocks(config, spec.num_blocks)
     if spec.num_blocks and blocks is not None and config.num_layers > blocks:
         notes.append(f"num-layers {config.num_layers} is more than the model's {blocks} blocks: adapters on all "
