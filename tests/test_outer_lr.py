@@ -97,8 +97,8 @@ def test_auto_is_refused_with_outer_adam_in_one_line():
 
 def test_flags_take_auto_or_a_number_and_help_says_what_auto_gives():
     help_text = " ".join(run_cli("sim", "--help").stdout.split())
-    assert f"M=4 H=50: {auto_outer_lr(4, 50):g}" in help_text and "diloco, muloco, sparta-diloco, quorum: default auto" \
-        in help_text
+    assert f"M=4: {auto_outer_lr(4, 30):g}, M=8: {auto_outer_lr(8, 30):g} at H = 30" in help_text
+    assert "diloco, muloco, sparta-diloco, quorum: default auto" in help_text
     bad = run_cli("sim", "--outer-lr", "fast")
     assert bad.returncode == 2 and "'fast' is neither a number nor auto" in bad.stderr
     refused = run_cli("sim", "--strategy", "noloco", "--outer-lr", "auto", "--steps", "1")
