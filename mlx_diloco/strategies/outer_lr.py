@@ -9,8 +9,6 @@ ones takes the next measured M up, one past 8 takes 8's (neither the paper nor w
 and the result stays in the swept range.
 """
 
-from dataclasses import fields, replace
-
 from ..options import AUTO
 
 MEASURED_H = 30
@@ -58,13 +56,3 @@ def with_outer_lr(strategy, workers: int):
 # The outer lr of diloco, muloco, sparta-diloco and quorum before auto (issue 39). Their runs
 # recorded only the options given; the runs started since record auto's number.
 DEFAULT_BEFORE_AUTO = 0.7
-
-
-def as_it_ran(config):
-    """A saved run's config, its outer lr as the run trained with it: one saved before auto that
-    left outer-lr to its default trained with DEFAULT_BEFORE_AUTO, and resumes with it."""
-    from . import strategy_class  # the registry imports this module
-    default = next((f.default for f in fields(strategy_class(config.strategy)) if f.name == "outer_lr"), None)
-    if default != AUTO or "outer_lr" in config.strategy_options:
-        return config
-    return replace(config, strategy_options={**config.strategy_options, "outer_lr": DEFAULT_BEFORE_AUTO})

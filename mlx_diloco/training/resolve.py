@@ -3,7 +3,7 @@ recorded, its strategy and its model spec (`resolve`: the one place a process bu
 strategy from its config, and where its options are checked), and the model, data and strategy a run
 trains (`Parts`), from a config or from the caller (the Python API)."""
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from ..run_folder import latest_step
@@ -11,8 +11,9 @@ from ..config import DEFAULT_MAX_SEQ_LEN, ConfigError, TrainConfig
 from ..data.datasets import EMBEDDED, FASHION_MNIST, is_fashion_mnist_folder, load_shard, prepare
 from ..models.finetune import adapted_blocks, check_fine_tune
 from ..models.zoo import build_model, import_builder, load_spec
-from ..strategies import make_strategy
-from ..strategies.outer_lr import as_it_ran, with_outer_lr
+from ..options import AUTO
+from ..strategies import make_strategy, strategy_class
+from ..strategies.outer_lr import DEFAULT_BEFORE_AUTO, with_outer_lr
 from . import checkpoint
 
 
@@ -22,6 +23,15 @@ def saved_config(run_dir: Path) -> TrainConfig:
         raise ConfigError(f"nothing to resume in {run_dir}: no checkpoint; drop --resume to start a new run")
     _, meta = checkpoint.load(run_dir, log=lambda m: None)  # Run._restore says which one it uses
     return as_it_ran(TrainConfig.from_dict(meta["config"]))
+
+
+def as_it_ran(config: TrainConfig) -> TrainConfig:
+    """A saved run's config, its outer lr as the run trained with it: one saved before outer-lr
+    auto that left it to its default trained with DEFAULT_BEFORE_AUTO, and resumes with it."""
+    default = next((f.default for f in fields(strategy_class(config.strategy)) if f.name == "outer_lr"), None)
+    if default != AUTO or "outer_lr" in config.strategy_options:
+        return config
+    return replace(config, strategy_options={**config.strategy_options, "outer_lr": DEFAULT_BEFORE_AUTO})
 
 
 @dataclass
@@ -40,11 +50,9 @@ def resolve(config: TrainConfig) -> Resolved:
     model spec, each checked against the others. The strategy first: a misspelled option is the
     first thing said, before a model or data is looked for."""
     strategy = make_strategy(config.strategy, config.strategy_options)  # its options: names, types, ranges
-    notes = []
     if (resolved := with_outer_lr(strategy, config.workers)) is not strategy:  # recorded as the number
         strategy = resolved
         config = replace(config, strategy_options={**config.strategy_options, "outer_lr": strategy.outer_lr})
-        notes.append(f"outer-lr auto: {strategy.outer_lr:g} for {config.workers} workers at H = {strategy.sync_every}")
     config.check_strategy(strategy)
 
     def absolute(path: str, names=()):
@@ -60,6 +68,7 @@ def resolve(config: TrainConfig) -> Resolved:
         raise ConfigError(f"model '{config.model}' does not fit data '{config.data}': "
                           "the cnn preset trains on fashion-mnist, language models on text")
     check_fine_tune(config, spec)
+    notes = []
     blocks = adapted_blocks(config, spec.num_blocks)
     if spec.num_blocks and blocks is not None and config.num_layers > blocks:
         notes.append(f"num-layers {config.num_layers} is more than the model's {blocks} blocks: adapters on all "
