@@ -46,9 +46,8 @@ class Resolved:
 def resolve(config: TrainConfig) -> Resolved:
     """The config as the run will use and record it (local paths made absolute, so the run folder
     works from any directory; seq-len 0 replaced by the model's context; outer-lr auto replaced by
-    its number), with its strategy and
-    model spec, each checked against the others. The strategy first: a misspelled option is the
-    first thing said, before a model or data is looked for."""
+    its number), with its strategy and model spec, each checked against the others. The strategy
+    first: a misspelled option is the first thing said, before a model or data is looked for."""
     strategy = make_strategy(config.strategy, config.strategy_options)  # its options: names, types, ranges
     if (resolved := with_outer_lr(strategy, config.workers)) is not strategy:  # recorded as the number
         strategy = resolved
