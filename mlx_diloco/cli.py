@@ -11,6 +11,7 @@ from pathlib import Path
 from .cluster.protocol import DEFAULT_PORT
 from .dashboard.server import DEFAULT_PORT as DASHBOARD_PORT
 from .config import ConfigError, TrainConfig
+from .options import NumberOrAuto
 
 def add_config_flags(parser):
     """A flag for every config key, and for every option of every strategy (strategies/), each
@@ -57,14 +58,15 @@ def add_flag(parser, f, help: str, default=None) -> list:
     """The flag of option field `f` (none for a field that is no plain value, strategy_options);
     `default`: what the command takes when it is not given, if not the field's own (--help says it).
     Returns the names of the flags added."""
-    if f.type not in (bool, int, float, str):
+    if f.type not in (bool, int, float, str, NumberOrAuto):
         return []
     flag = "--" + f.name.replace("_", "-")
     if f.type is bool:
         parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help)
     else:
         shown = "" if "(default:" in help else f" (default: {f.default if default is None else default})"
-        parser.add_argument(flag, dest=f.name, type=f.type, default=None, help=help + shown)
+        parser.add_argument(flag, dest=f.name, type=NumberOrAuto.parse if f.type is NumberOrAuto else f.type,
+                            default=None, help=help + shown)
     return [f.name]
 
 
