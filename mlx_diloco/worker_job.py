@@ -81,7 +81,8 @@ class WorkerJob(JobFile):
     data_dir: str = None               # a shard folder shipped by the launcher (default: read the config's data)
     progress: str = None               # a JSON file rewritten every step (step, loss, tokens/s, sync time)
     control: str = None                # a file the agent writes to make this worker save its state and exit
-    simulated: bool = False            # a process of sim, which reports the data's warnings and the summary itself
+    sim_pid: int = None                # a process of sim's: sim's process id (it exits once sim is gone); sim
+                                       # reports the data's warnings and the summary itself
     workers_per_process: int = 1       # simulated workers this process trains (sim --processes; 1 on a cluster)
     # What the launcher (or sim) decides.
     data_worker: int = None            # which shard this worker trains (default: its rank)
@@ -94,7 +95,11 @@ class WorkerJob(JobFile):
     membership: str = None             # who joined and left so far, membership.py's syntax (default: the config's)
     joiners: list = None               # slots that join at this start, taking the job's state from a member
 
-    HOST_KEYS = ("run_dir", "own_run_dir", "data_dir", "progress", "control", "simulated", "workers_per_process")
+    HOST_KEYS = ("run_dir", "own_run_dir", "data_dir", "progress", "control", "sim_pid", "workers_per_process")
+
+    @property
+    def simulated(self) -> bool:
+        return self.sim_pid is not None
 
     def for_agent(self) -> dict:
         """The job as a launcher's start request carries it: the agent places the files (HOST_KEYS)."""

@@ -8,7 +8,6 @@ treatment (on the CPU only: it changes the module's function for every model of 
 in this process, and leaves fp32 inputs as they are).
 """
 
-import math
 import sys
 
 import mlx.core as mx
@@ -68,25 +67,37 @@ class Fp32MatmulEmbedding(nn.Embedding):
         return logits_fp32(x, self.weight)
 
 
-def round_bf16_stochastically(x: mx.array) -> mx.array:
+def round_bf16_stochastically(x: mx.array, seed: mx.array = None) -> mx.array:
     """fp32 -> bf16, rounding up or down with probability given by the distance (unbiased): an
     update smaller than bf16's resolution still moves the weight on average. Rounded to nearest,
     those updates are lost: small GPT, DiLoCo, 500 steps, eval loss +1.1% against fp32
-    (docs/memory.md)."""
-    return ((x.view(mx.uint32) + dither16(x.shape)) & 0xFFFF0000).view(mx.float32).astype(mx.bfloat16)
+    (docs/memory.md). `seed`: 32 random bits (uint32), one draw for a whole update.
+
+    A dither in [0, 2**16) added to the fp32 bits carries into bf16's last bit with the
+    probability of the 16 bits that bf16 drops. Its ops are elementwise and few, so that after the
+    update's kernel the rounding is one more (MLX fuses no kernel across a bit view, nor a chain
+    deeper than 11 ops); on a GPU each launch costs (issue 35)."""
+    bits = x.view(mx.uint32)
+    seed = random_word() if seed is None else seed
+    return ((bits + dither16(bits, seed)) >> 16).astype(mx.uint16).view(mx.bfloat16)
 
 
-def dither16(shape) -> mx.array:
-    """Uniform noise in [0, 2**16), uint32, from a counter-based generator: each position hashed
-    (murmur3's 32-bit finalizer) with a seed drawn from MLX's random state, so that a run
-    repeats. Elementwise, it fuses into a compiled update; MLX's randint draws 32 random bits a
-    value (threefry) in a kernel of its own (`python bench/throughput.py --tables causes
-    --precisions bf16` measures the step with each)."""
-    h = mx.arange(math.prod(shape), dtype=mx.uint32).reshape(shape)
-    h = h + mx.random.randint(0, 1 << 30, (), dtype=mx.uint32) * 0x9E3779B9
-    h = (h ^ (h >> 16)) * 0x7FEB352D
-    h = (h ^ (h >> 15)) * 0x846CA68B
-    return (h ^ (h >> 16)) >> 16
+def random_word() -> mx.array:
+    """32 uniform random bits (a uint32 scalar) from MLX's random state. (randint over a range
+    wider than 2**24 scales a float32 uniform: its low bits come out zero.)"""
+    halves = mx.random.randint(0, 1 << 16, (2,), dtype=mx.uint32)
+    return halves[0] | (halves[1] << 16)
+
+
+def dither16(bits: mx.array, seed: mx.array) -> mx.array:
+    """Uniform noise in [0, 2**16) for each value, from its own bits: xored with the seed, then
+    multiplied by odd constants and xor-shifted (a bijection of 32-bit words, so a uniform seed
+    gives a uniform dither for any value: each rounding unbiased); values that differ get
+    unrelated dithers (equal values in one update round alike). One seed for all parameters and
+    no array of positions: MLX's randint, or an arange, would each be a kernel a parameter."""
+    h = (bits ^ seed) * 0x9E3779B1
+    h = (h ^ (h >> 15)) * 0x85EBCA77
+    return h >> 16
 
 
 def fp32_attention(attention):

@@ -28,16 +28,17 @@ import mlx.core as mx
 import mlx.optimizers as optim
 
 from ..exchange.worker_axis import replica
-from ..models.precision import round_bf16_stochastically
-from ..options import ConfigError, checked_value, did_you_mean, option  # noqa: F401 (option: strategies import it from here)
+from ..models.precision import random_word, round_bf16_stochastically
+from ..options import AUTO, ConfigError, checked_value, did_you_mean, option  # noqa: F401 (option: strategies import it from here)
 from ..schedule import SyncSchedule
+from .outer_lr import auto_outer_lr
 
 
 def lr_schedule(config, peak: float = None):
-    """Linear warmup to `peak` (default: the config's lr), then cosine decay to a tenth of it."""
+    """Linear warmup to `peak` (default: the config's lr), then cosine decay to its final-lr fraction."""
     peak = config.lr if peak is None else peak
     warmup = min(config.warmup_steps(), config.steps - 1)
-    cosine = optim.cosine_decay(peak, max(config.steps - warmup, 1), end=peak * 0.1)
+    cosine = optim.cosine_decay(peak, max(config.steps - warmup, 1), end=peak * config.final_lr)
     return optim.join_schedules([optim.linear_schedule(0.0, peak, warmup), cosine], [warmup]) \
         if warmup > 0 else cosine
 
@@ -54,11 +55,16 @@ class AdamW(optim.AdamW):
         state["m"] = mx.zeros(parameter.shape, self.moments_dtype)
         state["v"] = mx.zeros(parameter.shape, self.moments_dtype)
 
+    def apply_gradients(self, gradients, parameters):
+        # One draw of random bits for every bf16 parameter's rounding (models/precision.py)
+        self.rounding_seed = random_word()
+        return super().apply_gradients(gradients, parameters)
+
     def apply_single(self, gradient, parameter, state):
         new = super().apply_single(gradient.astype(mx.float32), parameter.astype(mx.float32), state)
         state["m"], state["v"] = state["m"].astype(self.moments_dtype), state["v"].astype(self.moments_dtype)
         if parameter.dtype == mx.bfloat16:  # no fp32 master copy: stochastic rounding keeps small updates
-            return round_bf16_stochastically(new)
+            return round_bf16_stochastically(new, self.rounding_seed)
         return new.astype(parameter.dtype)
 
 
@@ -156,8 +162,11 @@ class Strategy:
 
     # ---- the run
     def bind(self, comm, steps: int):
-        """The communicator, and the run's step count (a run always ends synced)."""
+        """The communicator, and the run's step count (a run always ends synced). An outer-lr
+        still 'auto' (a strategy made by hand, not through a config) gets its number for this job."""
         self.comm, self.steps = comm, steps
+        if getattr(self, "outer_lr", None) == AUTO:
+            self.outer_lr = auto_outer_lr(comm.num_workers, self.sync_every)
         return self
 
     def check_model(self, spec, adapted_blocks: int = None):

@@ -17,7 +17,7 @@ def work(path) -> dict:
     a cluster job; None elsewhere: sim reports its own)."""
     job = WorkerJob.read(path)
     if job.simulated:
-        exit_with_parent()
+        exit_with_parent(job.sim_pid)
     run = Run.from_job(job, log=worker_log(job.simulated))
     try:
         summary = run.train()
