@@ -17,9 +17,7 @@ compiles it, with mlx_lm.lora's default optimizer (Adam, no clipping).
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -32,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mlx_diloco.config import TrainConfig  # noqa: E402  (MLX-free: the trainer's settings)
+from step_server import serve, step_times  # noqa: E402  (bench/: imports nothing of the project)
 
 
 class Attention(nn.Module):
@@ -182,19 +181,12 @@ def main():
     else:
         step = pretraining_step(args.model, args.precision, args.batch_size, args.seq_len)
     if args.serve:
-        from step_server import serve
         return serve(step, f"MLX {mx.__version__}, {mx.default_device()}", mx.get_peak_memory)
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(args.steps):
-        t = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t)
+    best, median = step_times(step, args.steps)
     tokens = args.batch_size * args.seq_len
     print(f"plain MLX {mx.__version__} on {mx.default_device()}, {args.lora or args.model} {args.precision}, "
-          f"{args.batch_size}x{args.seq_len} tokens a step: {tokens / min(times):,.0f} tokens/s best, "
-          f"{tokens / statistics.median(times):,.0f} median; peak {mx.get_peak_memory() / 1e9:.2f} GB")
+          f"{args.batch_size}x{args.seq_len} tokens a step: {tokens / best:,.0f} tokens/s best, "
+          f"{tokens / median:,.0f} median; peak {mx.get_peak_memory() / 1e9:.2f} GB")
 
 
 if __name__ == "__main__":

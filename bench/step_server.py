@@ -6,7 +6,9 @@ its results are computed) and prints `done`; `peak` prints the peak memory in by
 Imports nothing: the baselines import no project code.
 """
 
+import statistics
 import sys
+import time
 
 
 def serve(step, label: str, peak_bytes):
@@ -18,3 +20,15 @@ def serve(step, label: str, peak_bytes):
         else:
             step()
             print("done", flush=True)
+
+
+def step_times(step, steps: int, warmup: int = 3) -> tuple:
+    """Run alone (not served): the best and the median seconds of `steps` steps after `warmup`."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return min(times), statistics.median(times)

@@ -22,9 +22,7 @@ agree step by step. `--serve` runs the protocol of bench/throughput.py's step pr
 import argparse
 import json
 import math
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -36,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from mlx_diloco.config import TrainConfig  # noqa: E402  (MLX-free)
 from mlx_diloco.options import ConfigError  # noqa: E402
+from step_server import serve, step_times  # noqa: E402  (bench/: imports nothing of the project)
 
 ACTIVATIONS = {"gelu": lambda x: F.gelu(x, approximate="tanh"),  # MLX's nn.gelu_approx
                "relu": F.relu, "relu2": lambda x: F.relu(x).square()}
@@ -189,18 +188,12 @@ def main():
     except ConfigError as e:
         sys.exit(f"error: {e}")
     if args.serve:
-        from step_server import serve
         return serve(step, label(args.device), lambda: peak_bytes(args.device))
-    step(), step()
-    times = []
-    for _ in range(args.steps):
-        t = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t)
+    best, median = step_times(step, args.steps, warmup=2)
     tokens = args.batch_size * args.seq_len
     print(f"{label(args.device)}, {args.precision}, model {args.model}, "
-          f"{args.batch_size}x{args.seq_len} tokens a step: {tokens / min(times):,.0f} tokens/s best, "
-          f"{tokens / statistics.median(times):,.0f} median of {args.steps} steps")
+          f"{args.batch_size}x{args.seq_len} tokens a step: {tokens / best:,.0f} tokens/s best, "
+          f"{tokens / median:,.0f} median of {args.steps} steps")
 
 
 if __name__ == "__main__":

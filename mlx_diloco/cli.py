@@ -8,9 +8,11 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
+from .cluster.launch_options import LaunchOptions
 from .cluster.protocol import DEFAULT_PORT
 from .dashboard.server import DEFAULT_PORT as DASHBOARD_PORT
 from .config import ConfigError, TrainConfig
+from .options import NumberOrAuto
 
 def add_config_flags(parser):
     """A flag for every config key, and for every option of every strategy (strategies/), each
@@ -57,19 +59,21 @@ def add_flag(parser, f, help: str, default=None) -> list:
     """The flag of option field `f` (none for a field that is no plain value, strategy_options);
     `default`: what the command takes when it is not given, if not the field's own (--help says it).
     Returns the names of the flags added."""
-    if f.type not in (bool, int, float, str):
+    if f.type not in (bool, int, float, str, NumberOrAuto) or not f.metadata.get("flag", True):
         return []
     flag = "--" + f.name.replace("_", "-")
     if f.type is bool:
         parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help)
     else:
         shown = "" if "(default:" in help else f" (default: {f.default if default is None else default})"
-        parser.add_argument(flag, dest=f.name, type=f.type, default=None, help=help + shown)
+        parser.add_argument(flag, dest=f.name, type=NumberOrAuto.parse if f.type is NumberOrAuto else f.type,
+                            default=None, help=help + shown, choices=f.metadata.get("choices"))
     return [f.name]
 
 
-def given_flags(args) -> dict:
-    return {k: getattr(args, k) for k in args.config_keys if getattr(args, k) is not None}
+def given_flags(args, keys: str = "config_keys") -> dict:
+    """The flags given of those the parser lists under `keys` (config_keys: the config's)."""
+    return {k: getattr(args, k) for k in getattr(args, keys) if getattr(args, k) is not None}
 
 
 def config_from_flags(args, defaults: dict = None) -> TrainConfig:
@@ -162,45 +166,10 @@ def cmd_sweep(args):
 
 
 def cmd_worker(args):
-    """One worker of a cluster job or of sim's processes, as its job file says (worker_job.py);
-    its rank and peers from MLX_RANK and MLX_HOSTFILE (set by the agent, by sim, or by hand)."""
-    from .exchange.ring import init_ring
-    from .training.processes import exit_with_parent
-    from .training.run import Placement, Run, StoppedForChange
-    from .worker_job import STOPPED_FOR_CHANGE, WorkerJob
-    job = WorkerJob.read(args.job)
-    if job.simulated:
-        exit_with_parent()
-    config = TrainConfig.from_dict(job.config)
-    comm = init_ring(job.collective_timeout, job.workers_per_process, job.backend)
-    rank = comm.local_workers[0]
-    run_dir = Path(job.run_dir)
-    place = Placement(shard_dir=job.data_dir, data_worker=job.data_worker, num_shards=job.num_shards,
-                      checkpoint_dir=run_dir if job.own_run_dir else None,
-                      progress_path=job.progress, resume_step=job.resume_step, ring_slots=job.ring_slots,
-                      membership=job.membership, joiners=job.joiners, control_path=job.control)
-    run = Run(config, run_dir, comm, reporter=rank == 0, resume=job.resume_step is not None,
-              log=worker_log(job.simulated), place=place)
-    try:
-        summary = run.train()
-    except StoppedForChange as e:  # the launcher starts the job's next ring
-        print(e, file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        # Now, without the interpreter's teardown: MLX's ring can hang closing its sockets to a lost peer.
-        os._exit(STOPPED_FOR_CHANGE)
-    if rank == 0 and not job.simulated:
+    """One worker of a cluster job or of sim's processes (training/worker.py)."""
+    from .training.worker import work
+    if summary := work(args.job):
         print_summary(summary)
-
-
-def worker_log(simulated: bool):
-    """Log lines to stderr; a process of `sim` leaves what reading the data says to sim, which
-    read it first (else a warning about the data shows twice)."""
-    from .data.datasets import TEXT_NOTICES
-
-    def log(message: str):
-        if not (simulated and message.startswith(TEXT_NOTICES)):
-            print(message, file=sys.stderr)
-    return log
 
 
 def cmd_agent(args):
@@ -260,7 +229,7 @@ def cmd_discover(args):
 
 
 def cmd_launch(args):
-    from .cluster.launcher import JobFailed, JobState, Launcher, Options
+    from .cluster.launcher import JobFailed, JobState, Launcher
     from .gym.scorecard import time_spent
     from .cluster.protocol import load_secret
     secret = load_secret(secret_file=args.secret_file)
@@ -281,15 +250,11 @@ def cmd_launch(args):
         if config.objective != "sft":  # its data's shards and a reward file's rule on the agents are to come
             raise ConfigError(f"launch --objective {config.objective} is not supported yet; train it with "
                               "'mlx-diloco sim' (docs/post-training.md)")
+        options = LaunchOptions(**given_flags(args, "launch_keys"), discover=not (args.hosts or mlx_file))
         if args.dry_run:
-            print(dry_run(found, secret, config.workers, args.backend, mlx_file, log=lambda m: print(m, file=sys.stderr)))
+            print(dry_run(found, secret, config.workers, options.backend, mlx_file, log=lambda m: print(m, file=sys.stderr)))
             return
         run_dir = Path(args.run_dir or f"runs/cluster-{config.strategy}-x{config.workers}-{time.strftime('%Y%m%d-%H%M%S')}")
-        options = Options(on_loss=args.on_loss, collective_timeout=args.collective_timeout,
-                          heartbeat_timeout=args.heartbeat_timeout, max_restarts=args.max_restarts,
-                          data_on_workers=args.data_on_workers, min_workers=args.min_workers,
-                          max_workers=args.max_workers, add=args.add, discover=not (args.hosts or mlx_file),
-                          backend=args.backend, measure_links=args.measure_links)
         launcher = Launcher.new(config, found, run_dir, secret, options, log=lambda m: print(m, file=sys.stderr),
                                 mlx_file=mlx_file)
     args.on_interrupt = (f"the workers go on; watch them again with: mlx-diloco launch --resume "
@@ -547,34 +512,13 @@ def build_parser(config_flags: bool = True):
     add_finding(s)
     s.add_argument("--run-dir", help="folder for the job's metrics and state (default: runs/cluster-...)")
     s.add_argument("--resume", action="store_true", help="continue the job in --run-dir (after a launcher restart)")
-    s.add_argument("--on-loss", choices=["shrink", "wait"], default="shrink",
-                   help="when a machine is lost: go on with the rest, or wait for it to return")
-    s.add_argument("--min-workers", type=int, default=1,
-                   help="the fewest workers the job goes on with after losing machines; below, it waits for them")
-    s.add_argument("--max-workers", type=int, default=0,
-                   help="the most workers machines joining mid-run make (default: --workers)")
-    s.add_argument("--add", default="", metavar="HOST[:PORT],...",
-                   help="machines to admit as they answer, each at the next sync point (a free worker slot)")
-    s.add_argument("--collective-timeout", type=float, default=30.0,
-                   help="seconds a worker may wait in a collective (or between steps) before it counts as stalled")
-    s.add_argument("--heartbeat-timeout", type=float, default=5.0,
-                   help="seconds an agent may stay silent before its machine counts as lost")
-    s.add_argument("--max-restarts", type=int, default=5, help="restarts before the job is given up")
-    s.add_argument("--data-on-workers", action="store_true",
-                   help="the --data path exists on every machine: read it there instead of shipping shards")
-    s.add_argument("--backend", choices=["auto", "ring", "jaccl"], default="auto",
-                   help="MLX's backend between the workers: jaccl (RDMA over Thunderbolt 5: macOS 26.2+, RDMA "
-                        "enabled, ring neighbours cabled), ring (TCP), or auto: jaccl where it can run, else the "
-                        "ring, saying why (a hostfile's backend counts as auto)")
+    s.set_defaults(launch_keys=[n for f in fields(LaunchOptions) for n in add_flag(s, f, f.metadata["help"])])
     s.add_argument("--hostfile", metavar="FILE",
                    help="the machines (their agents, on the default port), ring order, addresses and RDMA devices "
                         "from an MLX hostfile, as mlx.distributed_config writes it")
     s.add_argument("--dry-run", action="store_true",
                    help="print the backend and why, the ring, each rank's addresses and RDMA devices and the "
                         "hostfile it would write, and start nothing")
-    s.add_argument("--measure-links", action="store_true",
-                   help="first measure every pair's link (as 'mlx-diloco links' does) and order the ring by it "
-                        "(without: by the agents' kept measurements where every pair has one)")
     add_dashboard_flag(s)
     s.set_defaults(func=cmd_launch)
 

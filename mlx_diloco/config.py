@@ -90,6 +90,8 @@ class TrainConfig:
     lr: float = option(1e-3, "peak inner learning rate")
     warmup: int = option(-1, "linear warmup steps before the cosine decay "
                              f"(-1: a fifth of the steps, at most {MAX_AUTO_WARMUP})")
+    final_lr: float = option(0.1, "where the cosine decay ends, a fraction of the peak lr (the DiLoCo "
+                                  "scaling-law paper, arXiv 2503.09799: 0.05)")
     weight_decay: float = option(0.1, "inner weight decay")
     beta1: float = option(0.9, "inner AdamW beta1")
     beta2: float = option(0.95, "inner AdamW beta2")
@@ -215,6 +217,7 @@ class TrainConfig:
         need(self.batch_size >= 1, f"batch-size must be >= 1 (got {self.batch_size})")
         need(self.seq_len == 0 or self.seq_len >= 2, f"seq-len must be >= 2, or 0 for the model's context (got {self.seq_len})")
         need(self.lr > 0, f"lr must be > 0 (got {self.lr})")
+        need(0 <= self.final_lr <= 1, f"final-lr must be a fraction of lr in [0, 1] (got {self.final_lr})")
         need(self.warmup >= -1, f"warmup must be >= 0 steps, or -1 for a fifth of the run (got {self.warmup})")
         need(self.weight_decay >= 0, f"weight-decay must be >= 0 (got {self.weight_decay})")
         for name in ("beta1", "beta2"):

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .options import ConfigError
+from .schedule import SyncSchedule
 
 EXAMPLE = "0:4,300:3,600:4"
 
@@ -210,6 +211,7 @@ class Timeline:
 
     def __init__(self, schedule: Schedule, sync_every: int, offsets: list, steps: int):
         self.schedule, self.H, self.offsets, self.steps = schedule, sync_every, sorted(set(offsets)), steps
+        self.sync = SyncSchedule(sync_every, tuple(self.offsets))
         self.slots = schedule.workers
         self.segments = [(1, schedule.start)]  # (first step, the members from it on)
         self.changes = []
@@ -253,12 +255,11 @@ class Timeline:
 
     def _last_sync(self, offset: int, step: int) -> int:
         """The last step before `step` at which the fragment at `offset` synced (0: the start)."""
-        last = step - 1 - (step - 1 - offset) % self.H
-        return last if last >= 1 else 0
+        return self.sync.last_sync(offset, step)
 
     def _next_sync(self, step: int) -> int:
         """The first step >= `step` at which a fragment syncs."""
-        return min(step + (o - step) % self.H for o in self.offsets)
+        return self.sync.next_sync(step)
 
     def members(self, step: int) -> frozenset:
         """The slots that take inner step `step`; at step 0, the members at the start."""
@@ -301,7 +302,7 @@ class Timeline:
     def sync_weights(self, step: int):
         """{fragment offset: the factors on each slot's pseudo-gradient} for the fragments that sync
         at `step`, each over its own window (None: no sync then)."""
-        syncing = self.offsets if step == self.steps else [o for o in self.offsets if (step - o) % self.H == 0]
+        syncing = self.offsets if step == self.steps else [o for o in self.offsets if self.sync.syncs(step, o)]
         return {o: self._weights(o, step) for o in syncing} or None
 
     def changes_between(self, start: int, step: int) -> list:

@@ -3,6 +3,7 @@ declared (`option`), the one error type, typed values, and the did-you-mean hint
 imports nothing of the package, so every layer can use it (config.py re-exports ConfigError,
 where most callers import it from)."""
 
+import argparse
 import copy
 import difflib
 import json
@@ -10,16 +11,34 @@ from dataclasses import field, fields
 from functools import partial
 
 
-def option(default, help: str, **kwargs):
+def option(default, help: str, choices: tuple = None, flag: bool = True, **kwargs):
     """A config key or strategy option: a dataclass field with its default and its help, the one
-    line that `--help` shows; the flags, the API's arguments and `plan` are derived from it."""
+    line that `--help` shows; the flags, the API's arguments and `plan` are derived from it.
+    `choices`: the values it takes; `flag`: False for a setting no command line sets."""
+    metadata = {"help": help, "choices": choices, "flag": flag}
     if isinstance(default, (dict, list)):  # mutable: every instance gets its own copy
-        return field(default_factory=partial(copy.deepcopy, default), metadata={"help": help}, **kwargs)
-    return field(default=default, metadata={"help": help}, **kwargs)
+        return field(default_factory=partial(copy.deepcopy, default), metadata=metadata, **kwargs)
+    return field(default=default, metadata=metadata, **kwargs)
 
 
 class ConfigError(ValueError):
     """Bad user input; the CLI prints it as one line and exits non-zero."""
+
+
+AUTO = "auto"
+
+
+class NumberOrAuto:
+    """The field type of an option that takes a number or 'auto', a value the run works out from
+    its other settings (a strategy's outer-lr: strategies/outer_lr.py)."""
+
+    @staticmethod
+    def parse(text: str):
+        """A flag's value: 'auto', or the number it reads as (argparse says the error otherwise)."""
+        try:
+            return AUTO if text == AUTO else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is neither a number nor {AUTO}") from None
 
 
 def did_you_mean(key: str, names, valid: str = "valid") -> str:
@@ -53,14 +72,16 @@ def checked_value(name: str, value, kind, default=None):
     ok = {bool: lambda v: isinstance(v, bool),
           int: lambda v: isinstance(v, int) and not isinstance(v, bool),
           float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          NumberOrAuto: lambda v: v == AUTO or (isinstance(v, (int, float)) and not isinstance(v, bool)),
           str: lambda v: isinstance(v, str)}.get(kind)
     if ok is None:  # a field of another type (a list, a dict): the dataclass checks it
         return value
     if not ok(value):
-        example = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}[kind]
+        example = {bool: "true or false", int: "a whole number", float: "a number", str: "a string",
+                   NumberOrAuto: f"a number or \"{AUTO}\""}[kind]
         raise ConfigError(f"{flag} must be {example}, not {json.dumps(value)}; "
                           f"write e.g. \"{name}\": {json.dumps(valid_example(value, kind, default))}")
-    return float(value) if kind is float else value
+    return float(value) if kind in (float, NumberOrAuto) and value != AUTO else value
 
 
 def valid_example(value, kind, default):
@@ -72,11 +93,11 @@ def valid_example(value, kind, default):
             return text == "true"
         if kind is int and not isinstance(value, bool) and float(text) == int(float(text)):
             return int(float(text))
-        if kind is float and not isinstance(value, bool):
+        if kind in (float, NumberOrAuto) and not isinstance(value, bool):
             return float(text)
     except (ValueError, OverflowError):
         pass
-    if isinstance(default, kind) and not (kind is int and isinstance(default, bool)):
+    if kind is NumberOrAuto or (isinstance(default, kind) and not (kind is int and isinstance(default, bool))):
         return default
     return {bool: True, int: 1, float: 1.0, str: "..."}[kind]
 

@@ -17,6 +17,7 @@ import pytest
 from conftest import tiny_config
 from mlx_diloco.cluster import protocol
 from mlx_diloco.cluster.discovery import AgentClient, AgentError, Found
+from mlx_diloco.worker_job import WorkerJob
 
 SECRET = "agent-limits-secret-0123456789"
 
@@ -57,9 +58,9 @@ def ship(client, data: bytes) -> str:
 
 
 def start(client, config: dict, files: dict = None, job="j"):
-    return client.request("start", job=job, rank=0, worker_id=0, config=config, hostfile=[["127.0.0.1:1"]],
-                          data={"files": files, "num_shards": 1} if files else {}, resume_step=None,
-                          collective_timeout=30)
+    worker = WorkerJob(config, data_worker=0, collective_timeout=30, num_shards=1 if files else None)
+    return client.request("start", job=job, rank=0, hostfile=[["127.0.0.1:1"]], worker=worker.for_agent(),
+                          files=files or {})
 
 
 def finished(agent, job: str) -> dict:
@@ -167,20 +168,22 @@ HOSTILE = [
     ("put_chunk", dict(digest="c" * 64, offset=-5, size=10, data=b"x")),
     ("put_chunk", dict(digest="c" * 64, offset=0, size=-1, data=b"x")),
     ("put_chunk", dict(digest="c" * 64, offset=0, size=(1 << 63) - 1, data=b"x")),
-    ("start", dict(job="j", rank=0, worker_id=0, config={"model": "m" * 100_000}, hostfile=[["127.0.0.1:1"]], data={},
-                   resume_step=None, collective_timeout=30)),
-    ("start", dict(job="j", rank=0, worker_id=0, config={"data": "\0"}, hostfile=[["127.0.0.1:1"]], data={},
-                   resume_step=None, collective_timeout=30)),
-    ("start", dict(job="j", rank=0, worker_id=0, config={"workers": 1}, hostfile=[["127.0.0.1:1"]], data={"files": "x"},
-                   resume_step=None, collective_timeout=30)),
-    ("start", dict(job="j", rank=0, worker_id=0, config={"workers": 1}, hostfile=[["127.0.0.1:1"]],
-                   data={"files": {"a": "b" * 64}, "num_shards": "two"}, resume_step=None, collective_timeout=30)),
-    ("start", dict(job="j", rank=0, worker_id=0, config={"workers": 1}, hostfile=[["127.0.0.1:1"]], data={}, resume_step=None,
-                   collective_timeout=30, elastic="x")),
-    ("start", dict(job="j", rank=0, worker_id=0, config={"workers": 1}, hostfile=[[5]], data={}, resume_step=None,
-                   collective_timeout=30, elastic={"ring_slots": "x"})),
-    ("start", dict(job="j", rank=0, worker_id=(1 << 63) - 1, config={"workers": 1}, hostfile=[["127.0.0.1:1"]], data={},
-                   resume_step=None, collective_timeout=float("nan"))),
+    ("start", dict(job="j", rank=0, hostfile=[["127.0.0.1:1"]], files={},
+                   worker=dict(config={"model": "m" * 100_000}, data_worker=0, collective_timeout=30))),
+    ("start", dict(job="j", rank=0, hostfile=[["127.0.0.1:1"]], files={},
+                   worker=dict(config={"data": "\0"}, data_worker=0, collective_timeout=30))),
+    ("start", dict(job="j", rank=0, hostfile=[["127.0.0.1:1"]], files={"a": 5},
+                   worker=dict(config={"workers": 1}, data_worker=0, collective_timeout=30))),
+    ("start", dict(job="j", rank=0, hostfile=[["127.0.0.1:1"]], files={"a": "b" * 64},
+                   worker=dict(config={"workers": 1}, data_worker=0, num_shards="two", collective_timeout=30))),
+    ("start", dict(job="j", rank=0, hostfile=[["127.0.0.1:1"]], files={},
+                   worker=dict(config={"workers": 1}, data_worker=0, collective_timeout=30, ring_slots="x"))),
+    ("start", dict(job="j", rank=0, hostfile=[[5]], files={},
+                   worker=dict(config={"workers": 1}, data_worker=0, collective_timeout=30, ring_slots=[0]))),
+    ("start", dict(job="j", rank=0, hostfile=[["127.0.0.1:1"]], files={},
+                   worker=dict(config={"workers": 1}, data_worker=(1 << 63) - 1, collective_timeout=float("nan")))),
+    ("start", dict(job="j", rank=0, hostfile=[["127.0.0.1:1"]], files={},
+                   worker=dict(config={"workers": 1}, data_worker=0, data_dir="/etc"))),
     ("status", dict(job="j" * 65, metrics_from=0, exchanges_from=0, log_from=0)),
     ("status", dict(job="j", metrics_from=-(1 << 63), exchanges_from=0, log_from=-1)),
     ("save_and_exit", dict(job="j", when="now", after=(1 << 63) - 1)),

@@ -20,6 +20,7 @@ from mlx_diloco.cluster.backend import choose_backend, device_matrix, plan
 from mlx_diloco.cluster.hostfile import MlxHostfile, is_full_mesh
 from mlx_diloco.cluster.hostinfo import parse_ibv_devinfo
 from mlx_diloco.options import ConfigError
+from mlx_diloco.worker_job import WorkerJob
 
 DATA = Path(__file__).parent / "data"
 SECRET = "backend-test-secret-0123456789"
@@ -201,9 +202,9 @@ def test_a_ring_hostfile_keeps_its_addresses_while_each_rank_keeps_its_predecess
 def test_the_agent_starts_a_jaccl_worker_with_mlx_launchs_variables_and_refuses_a_bad_matrix(tmp_path):
     from conftest import tiny_config
     agent = Agent(tmp_path / "agent", SECRET.encode())
-    start = {"job": "j", "rank": 1, "worker_id": 1, "config": tiny_config(workers=2).to_dict(),
-             "hostfile": [["10.0.0.1:5000"], ["10.0.0.2:5000"]], "resume_step": None, "collective_timeout": 5.0,
-             "data": {}, "backend": "jaccl", "coordinator": "10.0.0.1:5000"}
+    worker = WorkerJob(tiny_config(workers=2).to_dict(), data_worker=1, collective_timeout=5.0, backend="jaccl")
+    start = {"job": "j", "rank": 1, "hostfile": [["10.0.0.1:5000"], ["10.0.0.2:5000"]], "worker": worker.for_agent(),
+             "files": {}, "coordinator": "10.0.0.1:5000"}
     for bad in ([[None, "rdma_en2"]], [[None, "rdma_en2"], [None, "rdma_en3"]], [[None, "en2; rm"], ["x", None]]):
         with pytest.raises(Refused, match="jaccl needs 'devices'"):
             agent.on_start({**start, "devices": bad})

@@ -33,7 +33,8 @@ OLD_SPARTA_DILOCO = {
 @pytest.mark.parametrize("case", list(OLD_SPARTA_DILOCO))
 def test_the_composed_sparta_diloco_gives_the_old_numbers(tmp_path, case):
     options, old = OLD_SPARTA_DILOCO[case]
-    config = tiny_config(**{"strategy": "sparta-diloco", "fraction": 0.05, "compress": "fp32", **options})
+    config = tiny_config(**{"strategy": "sparta-diloco", "fraction": 0.05, "compress": "fp32",
+                            "outer_lr": 0.7, **options})  # the default then
     summary = Run(config, tmp_path / "r", SimCommunicator(2), log=lambda m: None).train()
     assert summary["final_eval_loss"] == pytest.approx(old, rel=BLAS_REL)
 
@@ -80,15 +81,15 @@ def test_make_strategy_names_a_wrong_option_in_one_line():
 
 def test_the_package_asks_the_strategy_what_it_keeps():
     assert DiLoCo().outer_copies == 2                                # global values, momentum
-    assert DiLoCo(outer_optimizer="adam").outer_copies == 3          # global values, two moments
-    assert DiLoCo(outer_optimizer="adam", offload_outer=True).outer_copies == 0
+    assert DiLoCo(outer_optimizer="adam", outer_lr=0.05).outer_copies == 3          # global values, two moments
+    assert DiLoCo(outer_optimizer="adam", outer_lr=0.05, offload_outer=True).outer_copies == 0
     assert SPARTADiLoCo().outer_copies == 2 and SPARTADiLoCo(sync_every=0).outer_copies == 0
     assert make_strategy("ddp", {}).outer_copies == 0
     assert DiLoCo().steps_can_differ and not DiLoCo(ddp_warmup_steps=5).steps_can_differ
     assert not SPARTADiLoCo().steps_can_differ
     assert label("sparta", SPARTA().options(), {}) == "sparta fp32"  # as plot.label wrote it
     assert label("sparta-diloco", {"sync_every": 30}, {"worker_speeds": "1,0.5"}) == "sparta-diloco H=30 fixed-paced"
-    assert DiLoCo(outer_optimizer="adam", fragments=2).label() == "diloco H=50 P=2 outer adam"
+    assert DiLoCo(outer_optimizer="adam", outer_lr=0.05, fragments=2).label() == "diloco H=50 P=2 outer adam"
 
 
 # ---- the outer optimizer by value: one fragment, two workers, H = 1, against numpy
@@ -132,7 +133,7 @@ def test_outer_adam_is_adam_on_the_mean_pseudo_gradient(offload):
 
 def test_outer_sgd_is_heavy_ball_momentum():
     lr, mu = 0.7, 0.9
-    seen, got = outer_steps(DiLoCo(sync_every=1, outer_optimizer="sgd", compress="fp32"), 3)
+    seen, got = outer_steps(DiLoCo(sync_every=1, outer_optimizer="sgd", outer_lr=lr, compress="fp32"), 3)
     theta, velocity = initial(), np.zeros(6)
     for t, local in enumerate(seen):
         velocity = mu * velocity + (theta[None] - local).mean(axis=0)

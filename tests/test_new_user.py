@@ -38,6 +38,11 @@ def test_warmup_defaults_to_a_fifth_of_the_run_at_most_50_steps():
     readme = lr_schedule(TrainConfig())  # sim's default 500 steps: 50, as before
     assert readme(mx.array(25)).item() == pytest.approx(lr / 2) and readme(mx.array(50)).item() == pytest.approx(lr)
     assert lr_schedule(TrainConfig(steps=60, warmup=50))(mx.array(25)).item() == pytest.approx(lr / 2)  # as set
+    # the cosine ends at final-lr of the peak: a tenth by default, the scaling-law paper's 5% when asked
+    assert lr_schedule(TrainConfig(steps=60))(mx.array(60)).item() == pytest.approx(lr * 0.1)
+    assert lr_schedule(TrainConfig(steps=60, final_lr=0.05))(mx.array(60)).item() == pytest.approx(lr * 0.05)
+    with pytest.raises(ConfigError, match=r"final-lr must be a fraction of lr in \[0, 1\] \(got 5.0\)"):
+        TrainConfig.from_dict({"final_lr": 5.0})
     # the API's defaults are sim's, defined once (the Trainer's settings are a TrainConfig)
     settings = Trainer(None, None, (np.zeros((4, 2)), np.zeros(4))).config
     for name in ("warmup", "lr", "batch_size", "weight_decay", "grad_clip", "eval_batches", "link", "workers", "steps"):

@@ -80,8 +80,11 @@ def test_a_dead_process_ends_the_run_with_a_clear_line(tmp_path):
 
 
 def test_the_processes_stop_when_sim_is_killed(tmp_path):
-    """SIGKILL leaves sim no `finally` to stop its processes: they notice and exit on their own."""
+    """SIGKILL leaves sim no `finally` to stop its processes: they notice and exit on their own. Even
+    one that sim's death finds still starting (held here with SIGSTOP as soon as it appears, before it
+    imports MLX): it took the parent it saw then, init, for sim's, and trained on."""
     import os
+    import signal
     import subprocess
     import sys
     import time
@@ -90,12 +93,15 @@ def test_the_processes_stop_when_sim_is_killed(tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline, worker = time.time() + 120, None
     while worker is None and time.time() < deadline:
-        time.sleep(0.5)
+        time.sleep(0.05)
         worker = next((int(pid) for pid in filter(str.isdigit, os.listdir("/proc")) if sim_job(pid, tmp_path / "r")),
                       None)
     assert worker, "the second process never started"
+    os.kill(worker, signal.SIGSTOP)
     proc.kill()
     proc.wait()
+    os.kill(worker, signal.SIGCONT)
+    deadline = time.time() + 120  # its imports, on a loaded machine, then a second
     while os.path.exists(f"/proc/{worker}") and time.time() < deadline:
         with open(f"/proc/{worker}/stat") as f:
             if f.read().split()[2] == "Z":  # exited, not yet reaped (its parent is gone)

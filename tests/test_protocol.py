@@ -52,6 +52,16 @@ def test_schema_and_version_checks():
         protocol.validate({"v": V, "type": "status", "job": "j", "metrics_from": 0} | {"type": "start", "rank": True})
 
 
+def test_a_peer_of_the_previous_protocol_is_refused_in_one_line():
+    """A launcher of protocol 5 sent the worker's job field by field; this agent reads one WorkerJob."""
+    old_start = {"v": V - 1, "seq": 1, "type": "start", "job": "j", "rank": 0, "worker_id": 0, "config": {},
+                 "hostfile": [["1.2.3.4:5"]], "data": {}, "resume_step": None, "collective_timeout": 30}
+    with pytest.raises(protocol.VersionMismatch) as refused:
+        protocol.validate(old_start)
+    assert str(refused.value) == (f"protocol version {V - 1}, this side speaks {V}: install the same mlx-diloco "
+                                  "version on every machine")
+
+
 def test_missing_secret_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("MLX_DILOCO_SECRET", raising=False)
     with pytest.raises(ConfigError, match="MLX_DILOCO_SECRET"):
@@ -123,12 +133,12 @@ def _bad_frames(rng: random.Random, port: int):
         {"v": V, "seq": 1, "type": "start", "job": "j", "rank": 0},
         {"v": V, "seq": 1, "type": "put_chunk", "digest": "00", "offset": 0.5, "size": 1, "data": "text"},
         {**good, "v": V + 1}, {**good, "seq": 7}, [1, 2, 3], "just a string",
-        {"v": V, "seq": 1, "type": "start", "job": "../../etc", "rank": 0, "worker_id": 0, "config": {"model": "tiny"},
-         "hostfile": [], "data": {}, "resume_step": None, "collective_timeout": 1.0},
-        {"v": V, "seq": 1, "type": "start", "job": "j", "rank": 0, "worker_id": 0, "config": {"modle": "tiny"},
-         "hostfile": [["1.2.3.4:5"]], "data": {}, "resume_step": None, "collective_timeout": 1.0},
-        {"v": V, "seq": 1, "type": "start", "job": "j", "rank": 0, "worker_id": 0, "config": {"workers": 1},
-         "hostfile": [["1.2.3.4:5; rm -rf /"]], "data": {}, "resume_step": None, "collective_timeout": 1.0},
+        {"v": V, "seq": 1, "type": "start", "job": "../../etc", "rank": 0, "hostfile": [], "files": {},
+         "worker": {"config": {"model": "tiny"}, "data_worker": 0, "collective_timeout": 1.0}},
+        {"v": V, "seq": 1, "type": "start", "job": "j", "rank": 0, "hostfile": [["1.2.3.4:5"]], "files": {},
+         "worker": {"config": {"modle": "tiny"}, "data_worker": 0, "collective_timeout": 1.0}},
+        {"v": V, "seq": 1, "type": "start", "job": "j", "rank": 0, "hostfile": [["1.2.3.4:5; rm -rf /"]], "files": {},
+         "worker": {"config": {"workers": 1}, "data_worker": 0, "collective_timeout": 1.0}},
     ]
     for i in range(1200):
         kind = ["random", "truncated", "oversized", "wrong-secret", "replayed", "wrong-types"][i % 6]

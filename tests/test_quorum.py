@@ -72,7 +72,7 @@ def drive(init, updates, speeds, H, K, grace, T, nan_at=None, until=None):
     """The strategy through SimCommunicator on a one-array "model", each worker stepping as above
     (`until`: stop after that tick of a run of T)."""
     M = len(speeds)
-    strategy = Quorum(sync_every=H, quorum=K, grace_steps=grace, compress="fp32").bind(SimCommunicator(M), T)
+    strategy = Quorum(sync_every=H, quorum=K, grace_steps=grace, outer_lr=0.7, compress="fp32").bind(SimCommunicator(M), T)
     strategy.setup({"w": mx.array(init)})
     strategy.steps_taken = taken = Speeds(tuple(speeds), "time").steps_taken
     params, globals_ = {"w": mx.array(np.stack([init] * M))}, []

@@ -19,9 +19,9 @@ def test_the_agent_starts_its_worker_from_a_job_file(tmp_path):
     reading the job on its command line with the same WorkerJob.read."""
     agent = Agent(tmp_path / "state", b"secret", max_memory=2e9)
     config = tiny_config(workers=1, steps=8)
-    agent.handle(protocol.validate({"v": protocol.VERSION, "type": "start", "job": "j", "rank": 0, "worker_id": 0,
-                                    "config": config.to_dict(), "hostfile": [["127.0.0.1:1"]], "data": {},
-                                    "resume_step": None, "collective_timeout": 30}))
+    worker = WorkerJob(config.to_dict(), data_worker=0, collective_timeout=30)  # what a launcher sends
+    agent.handle(protocol.validate({"v": protocol.VERSION, "type": "start", "job": "j", "rank": 0,
+                                    "hostfile": [["127.0.0.1:1"]], "worker": worker.for_agent(), "files": {}}))
     worker = agent.jobs["j"]
     assert worker.popen.wait(timeout=240) == 0, worker.log.read_text()[-2000:]
     folder = tmp_path / "state" / "jobs" / "j"

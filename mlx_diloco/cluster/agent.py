@@ -33,7 +33,7 @@ from pathlib import Path
 
 from .. import run_folder
 from ..atomic import atomic_write_text
-from ..config import ConfigError, TrainConfig
+from ..config import ConfigError
 from ..exchange.watchdog import WATCHDOG_EXIT_MARK
 from ..worker_job import WorkerJob
 from . import hostinfo, protocol
@@ -229,59 +229,51 @@ class Agent:
             return {"port": s.getsockname()[1]}
 
     def on_start(self, msg):
-        folder = self._job_dir(msg["job"])
+        """Start this machine's worker of a job: the request carries its WorkerJob, which the agent
+        completes with where things are here and reads with the worker's own code (WorkerJob.parse)."""
+        folder, given = self._job_dir(msg["job"]), msg["worker"]
+        _need(not (placed := sorted(set(given) & set(WorkerJob.HOST_KEYS))),
+              f"a launcher may not set {', '.join(placed)}: the agent places the worker's files")
+        _need(type(given.get("data_worker")) is int, "worker needs 'data_worker', its worker id (a whole number)")
+        run_dir = folder / f"worker-{given['data_worker']}"
+        here = {"run_dir": str(run_dir), "own_run_dir": True, "progress": str(folder / "progress.json"),
+                "control": str(folder / "control.json") if given.get("ring_slots") else None}
         try:
-            config = TrainConfig.from_dict(msg["config"])  # its strategy options: the worker checks them
+            job = WorkerJob.parse({**given, **{k: v for k, v in here.items() if v is not None}}, "the worker's job")
         except (ConfigError, TypeError) as e:
-            raise Refused(f"invalid job config: {e}")
-        _need(isinstance(msg["data"].get("files") or {}, dict), "data needs 'files' and 'num_shards'")
-        _need(not (why := self.allowed.problem(config, shipped=bool(msg["data"].get("files")))), why)
-        hostfile, elastic = msg["hostfile"], msg.get("elastic") or {}  # elastic: the ring holds the members
-        _need(isinstance(elastic, dict), "elastic must be a map of ring_slots, joiners, membership")
-        ring = len(elastic.get("ring_slots") or []) or config.workers
-        _need(len(hostfile) == ring and 0 <= msg["rank"] < ring,
+            raise Refused(str(e))
+        config, hostfile, files = job.train_config, msg["hostfile"], msg["files"]
+        _need(not (why := self.allowed.problem(config, shipped=bool(files))), why)
+        _need(not files or job.num_shards is not None, "a job that ships data needs num_shards")
+        _need(len(hostfile) == job.ring_size and 0 <= msg["rank"] < job.ring_size,
               "the hostfile must have one entry per worker, and rank must index it")
         _need(all(isinstance(e, list) and e and all(isinstance(a, str) and _ADDRESS.fullmatch(a) for a in e)
                   for e in hostfile), "hostfile entries must be lists of 'ip:port'")
-        _need(0 <= msg["worker_id"] < 4096 and 0 < msg["collective_timeout"] <= 86400, "worker_id or timeout out of range")
-        _need(msg["resume_step"] is None or msg["resume_step"] >= 0, "resume_step must be >= 0")
-        slots = elastic.get("ring_slots")
-        _need(slots is None or (len(slots) == len(hostfile) and len(set(slots)) == len(slots)
-                                and all(isinstance(w, int) and 0 <= w < 4096 for w in slots)),
-              "ring_slots must name one distinct worker id per hostfile entry")
-        _need(all(isinstance(w, int) for w in elastic.get("joiners") or []), "joiners must be worker ids")
-        _need(isinstance(elastic.get("membership") or "", str), "membership must be a string")
-        backend = msg.get("backend", "ring")  # jaccl: MLX's device matrix and rank 0's coordinator address too
-        _need(backend in ("ring", "jaccl"), "backend must be ring or jaccl")
-        _need(backend == "ring" or (is_device_matrix(msg.get("devices"), ring) and
-                                    _ADDRESS.fullmatch(str(msg.get("coordinator")))),
+        _need(job.backend == "ring" or (is_device_matrix(msg.get("devices"), job.ring_size) and
+                                        _ADDRESS.fullmatch(str(msg.get("coordinator")))),
               "jaccl needs 'devices' (MLX's device matrix, one row per worker) and 'coordinator' ('ip:port')")
         with self.lock:
             old = self.jobs.get(msg["job"])
             _need(old is None or old.popen.poll() is not None, f"job {msg['job']} is already running here; stop it first")
             folder.mkdir(parents=True, exist_ok=True)
-            run_dir = folder / f"worker-{msg['worker_id']}"
-            if msg["resume_step"] is None and run_dir.exists():  # a fresh start: old checkpoints must not count
+            if job.resume_step is None and run_dir.exists():  # a fresh start: old checkpoints must not count
                 shutil.rmtree(run_dir)
-            job, data = folder / "job.json", self._materialize_data(folder, msg["worker_id"], msg["data"])
+            if files:
+                job = replace(job, data_dir=self._materialize_data(folder, job.data_worker, files))
             if self.max_memory and not 0 < config.memory_limit * 1e9 <= self.max_memory:
                 # The memory this machine offers is a limit its worker keeps to, not only a number
                 # the launcher checks: MLX waits for queued work before allocating past it.
-                config = replace(config, memory_limit=round(self.max_memory / 1e9, 3))
-            control = folder / "control.json"
-            control.unlink(missing_ok=True)  # an old request must not stop the new worker
-            WorkerJob(config.to_dict(), str(run_dir), own_run_dir=True, data_worker=msg["worker_id"],
-                      collective_timeout=msg["collective_timeout"], backend=backend, progress=str(folder / "progress.json"),
-                      resume_step=msg["resume_step"], ring_slots=slots, membership=elastic.get("membership"),
-                      joiners=elastic.get("joiners"), control=str(control) if elastic else None, **data).write(job)
+                job = replace(job, config={**job.config, "memory_limit": round(self.max_memory / 1e9, 3)})
+            (folder / "control.json").unlink(missing_ok=True)  # an old request must not stop the new worker
+            job.write(folder / "job.json")
             (folder / "hostfile.json").write_text(json.dumps(hostfile))
             (folder / "progress.json").unlink(missing_ok=True)
             env = {**os.environ, "MLX_RANK": str(msg["rank"]), "MLX_HOSTFILE": str(folder / "hostfile.json")}
-            if backend == "jaccl":  # what mlx.launch sets for jaccl (mlx/_distributed_utils/launch.py)
+            if job.backend == "jaccl":  # what mlx.launch sets for jaccl (mlx/_distributed_utils/launch.py)
                 (folder / "devices.json").write_text(json.dumps(msg["devices"]))
                 env.update(MLX_IBV_DEVICES=str(folder / "devices.json"), MLX_JACCL_COORDINATOR=msg["coordinator"])
-            popen = self._spawn(msg["job"], folder, run_dir, msg["rank"], ["worker", "--job", str(job)], env)
-            log.info("job %s: started worker %d as rank %d (pid %d)", msg["job"], msg["worker_id"], msg["rank"], popen.pid)
+            popen = self._spawn(msg["job"], folder, run_dir, msg["rank"], ["worker", "--job", str(folder / "job.json")], env)
+            log.info("job %s: started worker %d as rank %d (pid %d)", msg["job"], job.data_worker, msg["rank"], popen.pid)
         return {"pid": popen.pid}
 
     def _spawn(self, job: str, folder: Path, run_dir: Path, rank: int, command: list, env: dict):
@@ -296,23 +288,19 @@ class Agent:
         self.jobs[job] = WorkerProcess(popen, folder, run_dir, rank, log_start)
         return popen
 
-    def _materialize_data(self, folder: Path, worker_id: int, data: dict) -> dict:
-        """Link the shipped blobs into the worker's data folder: its WorkerJob's data_dir and
-        num_shards ({} when the config's path is used)."""
-        files = data.get("files")
-        if not files:
-            return {}
-        _need(isinstance(files, dict) and isinstance(data.get("num_shards"), int), "data needs 'files' and 'num_shards'")
+    def _materialize_data(self, folder: Path, worker_id: int, files: dict) -> str:
+        """Link the shipped blobs into the worker's data folder: its WorkerJob's data_dir."""
         target = folder / f"data-{worker_id}"
         for name, digest in files.items():
             _need(isinstance(name, str) and _FILE_NAME.fullmatch(name) and ".." not in name, f"bad file name {name!r}")
+            _need(isinstance(digest, str), f"bad digest for {name!r}")
             blob = self._blob(digest)
             _need(blob.exists(), f"blob {digest[:12]} for {name} was not sent")
             dest = target / name
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.unlink(missing_ok=True)
             os.link(blob, dest)
-        return {"data_dir": str(target), "num_shards": data["num_shards"]}
+        return str(target)
 
     def on_status(self, msg):
         self._job_dir(msg["job"])

@@ -206,5 +206,5 @@ def start_fields(p: Plan, rank0_port: int) -> dict:
     """What the agents' start request carries for the backend: for jaccl, MLX's device matrix and
     the coordinator (rank 0's LAN address, on the port its agent reserved for the job)."""
     if p.backend == "ring":
-        return {"backend": "ring"}
-    return {"backend": "jaccl", "devices": p.devices, "coordinator": f"{p.lan[0]}:{rank0_port}"}
+        return {}
+    return {"devices": p.devices, "coordinator": f"{p.lan[0]}:{rank0_port}"}

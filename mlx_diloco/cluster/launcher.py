@@ -33,9 +33,11 @@ from tqdm import tqdm
 
 from .. import hub, run_status
 from ..atomic import atomic_write_text
+from ..schedule import SyncSchedule
 from ..config import ConfigError, TrainConfig
 from ..training.metrics import MetricsLog, human_bytes
-from ..worker_job import STOPPED_FOR_CHANGE
+from ..worker_job import STOPPED_FOR_CHANGE, WorkerJob
+from .launch_options import LaunchOptions
 from . import protocol
 from .backend import Plan, machine_problem, plan, start_fields
 from . import discovery
@@ -60,30 +62,13 @@ class Member:
 
 
 @dataclass
-class Options:
-    on_loss: str = "shrink"             # or "wait"
-    collective_timeout: float = 30.0    # s a collective may wait before a worker gives up
-    heartbeat_timeout: float = 5.0      # s an agent may stay silent before its machine counts as lost
-    startup_timeout: float = 300.0      # s a worker may take to report its first step
-    max_restarts: int = 5
-    data_on_workers: bool = False       # the config's data path exists on every machine
-    min_workers: int = 1                # the fewest workers an elastic job goes on with; below, it waits
-    max_workers: int = 0                # the most workers machines joining make (0: --workers)
-    add: str = ""                       # agents (HOST[:PORT],...) to admit as they answer, up to max_workers
-    discover: bool = False              # the agents were found over mDNS: new ones found there may join
-    stop_grace: float = 5.0             # s a worker has to save its state and exit before it is stopped
-    backend: str = "auto"               # ring, jaccl, or auto: jaccl where it can run (cluster/backend.py)
-    measure_links: bool = False         # time every pair's link before the first start (links.py)
-
-
-@dataclass
 class JobState:
     """What launch.json holds."""
     job: str
     config: dict
     members: list
     num_shards: int
-    options: dict
+    options: dict             # LaunchOptions
     data_files: dict = field(default_factory=dict)   # worker_id -> {file name: sha256}
     restarts: int = 0
     last_failure: str = ""    # the last failure's words, when no machine was lost: the same again is not retried
@@ -126,7 +111,7 @@ class JobFailed(Exception):
     pass
 
 
-def check_bounds(options: Options, workers: int):
+def check_bounds(options: LaunchOptions, workers: int):
     """--min-workers and --max-workers around --workers, or one line saying which to change."""
     if not 1 <= options.min_workers <= workers:
         raise ConfigError(f"--min-workers must be between 1 and --workers ({workers}), got {options.min_workers}")
@@ -258,7 +243,8 @@ def dry_run(found: list, secret: bytes, workers: int, backend_flag: str, mlx_fil
 class Launcher:
     def __init__(self, state: JobState, run_dir: Path, secret: bytes, log=print):
         self.state, self.run_dir, self.secret, self.log = state, Path(run_dir), secret, log
-        self.options = Options(**state.options)
+        self.options = LaunchOptions(**state.options)
+        self.config = TrainConfig.from_dict(state.config)  # the job's config over all its slots, parsed once
         self.clients = {}
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.exchanges = MetricsLog(self.run_dir / "exchanges.jsonl")  # rank 0's, mirrored as its metrics are
@@ -266,7 +252,7 @@ class Launcher:
         self.restart_s = sum(e["total_s"] for e in self._events() if e["event"] in RESTARTS)
         self.status = run_status.StatusWriter(self.run_dir, "launch")  # what the dashboard shows of each worker
         self.step_rate, self.shown, self.offered = run_status.StepRate(), {}, {}
-        self.sync_grid = sync_grid(self.state.config)
+        self.sync_grid = SyncSchedule(sync_grid(state.config))
         self.last_steps = {}      # each worker's last reported step: where a lost one left
         self.pending_join = None  # a machine admitted at the next sync point
         self.discovered = queue.SimpleQueue()  # agents that appeared on mDNS (discovery.watch's thread)
@@ -274,7 +260,7 @@ class Launcher:
 
     # ------------------------------------------------------------ setup
     @classmethod
-    def new(cls, config: TrainConfig, found: list, run_dir: Path, secret: bytes, options: Options, log=print,
+    def new(cls, config: TrainConfig, found: list, run_dir: Path, secret: bytes, options: LaunchOptions, log=print,
             mlx_file: MlxHostfile = None):
         from ..training.resolve import resolve
         check_bounds(options, config.workers)
@@ -365,22 +351,23 @@ class Launcher:
         members = self.state.members = [members[i] for i in order]
         ports = [self.client(m).request("prepare", job=self.state.job)["port"] for m in members]
         hostfile = [[f"{a}:{p}" for a in listens] for listens, p in zip(addresses, ports)]
-        config, elastic = {**self.state.config, "workers": len(members)}, {}
+        # The worker's job (worker_job.py), but where things are on its machine: its agent says that.
+        job = WorkerJob({**self.state.config, "workers": len(members)}, collective_timeout=self.options.collective_timeout,
+                        backend=ring.backend)
         resume = {m.worker_id: resume_step for m in members}
         if self.state.elastic:  # the config keeps the job's slots; the ring holds the members
-            config, resume = self.state.config, self._own_states()
-            elastic = {"ring_slots": [m.worker_id for m in members], "joiners": self.state.joining,
-                       "membership": self.state.membership}
+            resume = self._own_states()
+            job = replace(job, config=self.state.config, ring_slots=[m.worker_id for m in members],
+                          joiners=self.state.joining, membership=self.state.membership)
         for m in members:
             self.ship(m)
         for rank, m in enumerate(members):
-            files = self.state.data_files.get(str(m.worker_id))
+            files = self.state.data_files.get(str(m.worker_id)) or {}
+            worker = replace(job, data_worker=m.worker_id, resume_step=resume[m.worker_id],
+                             num_shards=self.state.num_shards if files else None)
             try:
-                self.client(m).request(
-                    "start", job=self.state.job, rank=rank, worker_id=m.worker_id, config=config, hostfile=hostfile,
-                    resume_step=resume[m.worker_id], collective_timeout=float(self.options.collective_timeout),
-                    data={"files": files, "num_shards": self.state.num_shards} if files else {}, elastic=elastic,
-                    **start_fields(ring, ports[0]))
+                self.client(m).request("start", job=self.state.job, rank=rank, hostfile=hostfile,
+                                       worker=worker.for_agent(), files=files, **start_fields(ring, ports[0]))
             except AgentError as e:  # a refusal (what its owner does not allow) or an agent gone: said in one line
                 self._stop(members[:rank])
                 raise JobFailed(str(e)) from None
@@ -390,7 +377,7 @@ class Launcher:
         # The ring in MLX's format: `mlx.launch --hostfile RUN/hostfile.json` runs on the same machines.
         ring.mlx_hostfile(self.state.mlx_hostfile.get("envs", [])).write(self.run_dir / "hostfile.json")
         self.write_ring(agents, ring)
-        self.event("started", workers=len(members), resume_step=resume_step if not elastic else resume,
+        self.event("started", workers=len(members), resume_step=resume if self.state.elastic else resume_step,
                    ring=" -> ".join(f"{m.host or m.address}({link})" for m, link in zip(members, links)),
                    backend=ring.backend, backend_reason=ring.reason)
         self.started_at = time.time()
@@ -471,8 +458,7 @@ class Launcher:
 
     def watch(self):
         """Poll every agent until the job ends (None) or fails (a description of what failed)."""
-        config = TrainConfig.from_dict(self.state.config)
-        bar = tqdm(total=config.steps, desc=f"{config.strategy} x{len(self.state.members)} (cluster)",
+        bar = tqdm(total=self.config.steps, desc=f"{self.config.strategy} x{len(self.state.members)} (cluster)",
                    file=sys.stderr, dynamic_ncols=True)
         last_ok = {m.worker_id: time.time() for m in self.state.members}
         seen = seen_exchanges = 0  # rank 0's metrics and exchanges lines mirrored since the (re)start
@@ -629,8 +615,8 @@ class Launcher:
         if progress.get("stopped"):
             return "restarting"
         if progress["age_s"] > max(2.0, 3 / (steps_per_s or 1)):
-            period = self.sync_grid
-            return "syncing" if not period or (progress["step"] + 1) % period == 0 else "waiting"
+            grid = self.sync_grid
+            return "syncing" if not grid.every or grid.syncs(progress["step"] + 1) else "waiting"
         return "training"
 
     def _truncate_mirrors(self, step: int):

@@ -26,9 +26,10 @@ import struct
 
 import msgpack
 
-VERSION = 5  # 2: membership changes (save_and_exit, elastic starts); 3: status sends exchanges lines;
+VERSION = 6  # 2: membership changes (save_and_exit, elastic starts); 3: status sends exchanges lines;
 #             4: hello reports RDMA devices, start carries the backend (jaccl: devices, coordinator);
-#             5: measured links (measure_link; hello reports the links kept)
+#             5: measured links (measure_link; hello reports the links kept);
+#             6: start carries the worker's job as one map (worker_job.WorkerJob) and its shard's files
 DEFAULT_PORT = 52525
 MAX_FRAME = 8 << 20          # bytes; data is sent in chunks well below this
 FIRST_FRAME = 4 << 10        # bytes: the limit until a frame has proven the peer holds the secret
@@ -62,8 +63,7 @@ SCHEMAS = {
     "has_model": {"model": (str,)},
     "put_chunk": {"digest": (str,), "offset": (int,), "size": (int,), "data": (bytes,)},
     "prepare": {"job": (str,)},
-    "start": {"job": (str,), "rank": (int,), "worker_id": (int,), "config": (dict,), "hostfile": (list,),
-              "data": (dict,), "resume_step": (int, type(None)), "collective_timeout": (float, int)},
+    "start": {"job": (str,), "rank": (int,), "hostfile": (list,), "worker": (dict,), "files": (dict,)},
     "status": {"job": (str,), "metrics_from": (int,), "exchanges_from": (int,), "log_from": (int,)},
     "checkpoints": {"job": (str,)},
     "save_and_exit": {"job": (str,), "when": (str,), "after": (int,)},

@@ -31,7 +31,7 @@ class RingCommunicator(Communicator):
     shift passes each process's last worker to the next process, and a swap passes rows both ways
     between neighbouring processes."""
 
-    def __init__(self, group, timeout_s: float = 60.0, workers_per_process: int = 1):
+    def __init__(self, group, timeout_s: float, workers_per_process: int = 1):
         n, rank = workers_per_process, group.rank()
         super().__init__(group.size() * n, list(range(rank * n, rank * n + n)))
         self.group, self.timeout_s = group, timeout_s
@@ -91,7 +91,7 @@ class RingCommunicator(Communicator):
             yield
 
 
-def init_ring(timeout_s: float = 60.0, workers_per_process: int = 1, backend: str = "ring") -> Communicator:
+def init_ring(timeout_s: float, workers_per_process: int = 1, backend: str = "ring") -> Communicator:
     """Join the group described by MLX's environment (under the watchdog: a peer that never comes
     up must not keep this process waiting forever): MLX_RANK and MLX_HOSTFILE for the ring; for
     jaccl MLX_RANK, MLX_IBV_DEVICES (the device matrix's file) and MLX_JACCL_COORDINATOR, as

@@ -29,14 +29,16 @@ import mlx.optimizers as optim
 
 from ..exchange.worker_axis import replica
 from ..models.precision import random_word, round_bf16_stochastically
-from ..options import ConfigError, checked_value, did_you_mean, option  # noqa: F401 (option: strategies import it from here)
+from ..options import AUTO, ConfigError, checked_value, did_you_mean, option  # noqa: F401 (option: strategies import it from here)
+from ..schedule import SyncSchedule
+from .outer_lr import auto_outer_lr
 
 
 def lr_schedule(config, peak: float = None):
-    """Linear warmup to `peak` (default: the config's lr), then cosine decay to a tenth of it."""
+    """Linear warmup to `peak` (default: the config's lr), then cosine decay to its final-lr fraction."""
     peak = config.lr if peak is None else peak
     warmup = min(config.warmup_steps(), config.steps - 1)
-    cosine = optim.cosine_decay(peak, max(config.steps - warmup, 1), end=peak * 0.1)
+    cosine = optim.cosine_decay(peak, max(config.steps - warmup, 1), end=peak * config.final_lr)
     return optim.join_schedules([optim.linear_schedule(0.0, peak, warmup), cosine], [warmup]) \
         if warmup > 0 else cosine
 
@@ -127,6 +129,13 @@ class Strategy:
         """Inner steps between the strategy's periodic syncs (0: it has none)."""
         return 0
 
+    @property
+    def schedule(self) -> SyncSchedule:
+        """When this strategy's workers meet (schedule.py): every sync_every steps at its fragments'
+        offsets, an exchange landing overlap_steps after it starts."""
+        offsets = tuple(f.offset for f in getattr(self, "model_fragments", [])) or (0,)
+        return SyncSchedule(self.sync_every, offsets, getattr(self, "overlap_steps", 0))
+
     def outer_steps_done(self, steps: int):
         """Outer steps (syncs) done after `steps` inner steps and their `after_step`, for the metrics
         (None: it has none)."""
@@ -153,8 +162,11 @@ class Strategy:
 
     # ---- the run
     def bind(self, comm, steps: int):
-        """The communicator, and the run's step count (a run always ends synced)."""
+        """The communicator, and the run's step count (a run always ends synced). An outer-lr
+        still 'auto' (a strategy made by hand, not through a config) gets its number for this job."""
         self.comm, self.steps = comm, steps
+        if getattr(self, "outer_lr", None) == AUTO:
+            self.outer_lr = auto_outer_lr(comm.num_workers, self.sync_every)
         return self
 
     def check_model(self, spec, adapted_blocks: int = None):

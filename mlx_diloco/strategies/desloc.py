@@ -34,6 +34,7 @@ from mlx.utils import tree_map
 
 from ..exchange.codecs import get_codec
 from ..exchange.worker_axis import placeholders
+from ..schedule import SyncSchedule
 from .base import Strategy, default_inner_optimizer, option
 
 # The averaged moments: MLX's AdamW state names, the paper's ratio of each period to Kx, and the
@@ -94,8 +95,8 @@ class DESLOC(Strategy):
 
     def after_step(self, params, step):
         moments = [(moment, what) for moment, (_, _, what) in MOMENTS.items()
-                   if self.period(moment) and step % self.period(moment) == 0]
-        if step % self.sync_every == 0 or step == self.steps:
+                   if SyncSchedule(self.period(moment)).syncs(step)]
+        if self.schedule.syncs(step) or step == self.steps:
             params = self.average(params, "parameters")
         elif moments:  # an exchange of moments alone: a NaN in the weights stops every worker now, not later
             self.comm.check_finite(params, "its parameters")

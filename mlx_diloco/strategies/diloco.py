@@ -19,24 +19,30 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..exchange.codecs import get_codec
 from ..exchange.worker_axis import placeholders
-from ..options import ConfigError
+from ..options import AUTO, ConfigError, NumberOrAuto
 from .base import Strategy, mean_gradients, option
 from .fragments import Fragment, gather, global_tree, offload_folder, partition
+from .outer_lr import auto_help, check_outer_lr
 
 
-OUTER_OPTIMIZERS = {  # the outer optimizer by name, from the strategy's options
+OUTER_OPTIMIZERS = {  # the outer optimizer by name, from its learning rate and momentum
     # DiLoCo's: Nesterov momentum (plain SGD with momentum 0)
-    "nesterov": lambda s: optim.SGD(learning_rate=s.outer_lr, momentum=s.outer_momentum,
-                                    nesterov=s.outer_momentum > 0),
+    "nesterov": lambda lr, momentum: optim.SGD(learning_rate=lr, momentum=momentum, nesterov=momentum > 0),
     # heavy-ball momentum: v <- m v + delta, global <- global - lr v
-    "sgd": lambda s: optim.SGD(learning_rate=s.outer_lr, momentum=s.outer_momentum),
+    "sgd": lambda lr, momentum: optim.SGD(learning_rate=lr, momentum=momentum),
     # Adam with beta1 = outer-momentum. beta2 0.99, not 0.999: runs take tens to hundreds of outer
     # steps, and 0.999 would average the squares over a thousand. Bias correction: without it m
     # warms up faster than sqrt(v), and outer steps 5 to 30 run 1.8-2.1x lr. eps 1e-8: far below
     # a pseudo-gradient's values (those of fine-tuning included).
-    "adam": lambda s: optim.Adam(learning_rate=s.outer_lr, betas=[s.outer_momentum, 0.99], eps=1e-8,
-                                 bias_correction=True),
+    "adam": lambda lr, momentum: optim.Adam(learning_rate=lr, betas=[momentum, 0.99], eps=1e-8, bias_correction=True),
 }
+
+
+def outer_state_copies(outer_optimizer: str) -> int:
+    """Model-sized arrays an outer optimizer keeps per value (its learning rate changes none)."""
+    probe = OUTER_OPTIMIZERS[outer_optimizer](1.0, 0.9)
+    probe.init({"p": mx.zeros(1)})
+    return len(probe.state["p"])
 
 
 @dataclass
@@ -46,7 +52,7 @@ class DiLoCo(Strategy):
     sync_every: int = option(50, "H: inner steps between a fragment's outer steps")
     outer_optimizer: str = option("nesterov", f"the outer step: {', '.join(OUTER_OPTIMIZERS)} "
                                               "(adam takes lr-sized steps: pass an outer-lr near 0.05)")
-    outer_lr: float = option(0.7, "outer learning rate")
+    outer_lr: NumberOrAuto = option(AUTO, auto_help())
     outer_momentum: float = option(0.9, "outer momentum: Nesterov's, heavy-ball SGD's, Adam's beta1 (0: plain SGD)")
     compress: str = option("fp16", "codec of the pseudo-gradients (scales counted in the bytes)")
     error_feedback: bool = option(False, "add what compression lost to the next pseudo-gradient")
@@ -63,7 +69,7 @@ class DiLoCo(Strategy):
         self.require(self.outer_optimizer in OUTER_OPTIMIZERS, f"outer-optimizer must be one of "
                      f"{', '.join(OUTER_OPTIMIZERS)} (got '{self.outer_optimizer}')")
         self.require(self.sync_every >= 1, f"sync-every (H) must be >= 1 (got {self.sync_every})")
-        self.require(self.outer_lr > 0, f"outer-lr must be > 0 (got {self.outer_lr})")
+        check_outer_lr(self)
         self.require(0 <= self.outer_momentum < 1, f"outer-momentum must be in [0, 1) (got {self.outer_momentum})")
         self.require(self.fragments >= 1, f"fragments must be >= 1 (got {self.fragments})")
         self.require(self.fragment_order in ("strided", "sequential"),
@@ -107,15 +113,11 @@ class DiLoCo(Strategy):
     @property
     def outer_copies(self) -> int:
         """The global values and the outer optimizer's per-value state (in files when offloaded)."""
-        if self.offload_outer:
-            return 0
-        probe = self.make_outer_optimizer()
-        probe.init({"p": mx.zeros(1)})
-        return 1 + len(probe.state["p"])
+        return 0 if self.offload_outer else 1 + outer_state_copies(self.outer_optimizer)
 
     def make_outer_optimizer(self) -> optim.Optimizer:
         """One fragment's outer optimizer (each fragment keeps its own state)."""
-        return OUTER_OPTIMIZERS[self.outer_optimizer](self)
+        return OUTER_OPTIMIZERS[self.outer_optimizer](self.outer_lr, self.outer_momentum)
 
     def setup(self, params):
         P, H = self.fragments, self.sync_every

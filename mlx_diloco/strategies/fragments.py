@@ -26,6 +26,7 @@ from ..exchange.codecs import Codec
 from ..exchange.worker_axis import replica
 from ..models.zoo import BLOCK
 from ..options import ConfigError
+from ..schedule import SyncSchedule
 
 
 
@@ -158,6 +159,7 @@ class Fragment:
             raise ValueError(f"fragment {index}: merge alpha {alpha} outside [0, 1]")
         self.index, self.pieces = index, pieces
         self.sync_every, self.offset, self.delay = sync_every, offset, delay
+        self.schedule = SyncSchedule(sync_every, (offset,), delay)  # when this fragment syncs
         self.alpha, self.codec, self.outer = alpha, codec, outer
         self.store = OuterStore(global_values, outer, offload_dir, f"fragment-{index}")
         self.error = mx.zeros((n_local, global_values.size)) if error_feedback else None
@@ -176,11 +178,11 @@ class Fragment:
         self.store.global_values = values
 
     def is_send_step(self, step: int) -> bool:
-        return (step - self.offset) % self.sync_every == 0
+        return self.schedule.syncs(step)
 
     def round_length(self, step: int) -> int:
         """Inner steps since this fragment last sent (or since the start), as of `step`."""
-        return (step - self.offset - 1) % self.sync_every + 1 if step > self.offset else step
+        return self.schedule.round_length(self.offset, step)
 
     def prepare_sync(self, flat_params: dict, comm, step: int, weights=None):
         """Start exchanging the pseudo-gradient  global - local  (plus what compression lost last

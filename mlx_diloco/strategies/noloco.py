@@ -106,7 +106,7 @@ class NoLoCo(Strategy):
         mx.eval(self.outer, self.momentum)
 
     def after_step(self, params, step):
-        if step % self.sync_every:
+        if not self.schedule.syncs(step):
             return params
         dtypes = [(k, v.dtype) for k, v in tree_flatten(params)]
         weights, shapes = flatten_workers(params)

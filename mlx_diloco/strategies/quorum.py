@@ -38,8 +38,10 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..exchange.codecs import get_codec
 from ..exchange.worker_axis import placeholders
+from ..options import AUTO, NumberOrAuto
 from .base import Strategy, option
-from .diloco import OUTER_OPTIMIZERS
+from .diloco import OUTER_OPTIMIZERS, outer_state_copies
+from .outer_lr import auto_help, check_outer_lr
 from .fragments import OuterStore, gather, global_tree, partition, scatter
 
 
@@ -116,7 +118,7 @@ class Quorum(Strategy):
                                             "missed) ** -exponent (0: its tokens alone)")
     outer_optimizer: str = option("nesterov", f"the outer step: {', '.join(OUTER_OPTIMIZERS)} "
                                               "(adam takes lr-sized steps: pass an outer-lr near 0.05)")
-    outer_lr: float = option(0.7, "outer learning rate")
+    outer_lr: NumberOrAuto = option(AUTO, auto_help())
     outer_momentum: float = option(0.9, "outer momentum: Nesterov's, heavy-ball SGD's, Adam's beta1 (0: plain SGD)")
     compress: str = option("fp16", "codec of the pseudo-gradients (scales counted in the bytes)")
 
@@ -128,7 +130,7 @@ class Quorum(Strategy):
         self.require(self.quorum >= 0, f"quorum (K) must be >= 0 (got {self.quorum})")
         self.require(self.grace_steps >= -1, f"grace-steps must be >= 0, or -1 for H/10 (got {self.grace_steps})")
         self.require(self.staleness_exponent >= 0, f"staleness-exponent must be >= 0 (got {self.staleness_exponent})")
-        self.require(self.outer_lr > 0, f"outer-lr must be > 0 (got {self.outer_lr})")
+        check_outer_lr(self)
         self.require(0 <= self.outer_momentum < 1, f"outer-momentum must be in [0, 1) (got {self.outer_momentum})")
 
     def label(self) -> str:
@@ -137,9 +139,7 @@ class Quorum(Strategy):
     @property
     def outer_copies(self) -> int:
         """The global model and the outer optimizer's per-value state."""
-        probe = OUTER_OPTIMIZERS[self.outer_optimizer](self)
-        probe.init({"p": mx.zeros(1)})
-        return 1 + len(probe.state["p"])
+        return 1 + outer_state_copies(self.outer_optimizer)
 
     def bind(self, comm, steps: int):
         M = comm.num_workers
@@ -152,7 +152,7 @@ class Quorum(Strategy):
         self.template = placeholders(params)  # the tree's shape, not its values
         self.pieces = partition(params, 1)[0]  # the whole model as one flat buffer
         self.store = OuterStore(gather({k: v[None] for k, v in tree_flatten(params)}, self.pieces)[0],
-                                OUTER_OPTIMIZERS[self.outer_optimizer](self))
+                                OUTER_OPTIMIZERS[self.outer_optimizer](self.outer_lr, self.outer_momentum))
         self.rounds = Rounds(M, H, self.quorum or max(M - 1, 1), H // 10 if self.grace_steps < 0 else self.grace_steps)
 
     def _taken(self, tick: int) -> list:

@@ -151,7 +151,7 @@ class SparseLoCo(Strategy):
         return sum(c.wire_bytes() for c in self.chunks.values())
 
     def after_step(self, params, step):
-        if step % self.sync_every and step != self.steps:  # a run always ends synced
+        if not self.schedule.syncs(step) and step != self.steps:  # a run always ends synced
             return params
         flat = dict(tree_flatten(params))
         del params  # flat holds the only references: each goes as it is replaced

@@ -9,11 +9,6 @@ from ..membership import Schedule, Timeline
 from ..speeds import Speeds
 
 
-def sync_offsets(strategy) -> list:
-    """The steps mod H at which the strategy's fragments sync (a strategy without fragments: 0)."""
-    return [f.offset for f in getattr(strategy, "model_fragments", [])] or [0]
-
-
 class Pacing:
     def __init__(self, config, strategy, comm, slots: list, history: str = None, log=print):
         """`strategy`: set up (a membership schedule reads its fragments' sync offsets). `slots`: the
@@ -40,7 +35,7 @@ class Pacing:
     def _timeline(schedule, strategy, steps: int):
         """A membership schedule over the run's steps and the strategy's sync points (each of its
         fragments syncs every H steps at its offset)."""
-        return schedule and Timeline(schedule, strategy.sync_every, sync_offsets(strategy), steps)
+        return schedule and Timeline(schedule, strategy.sync_every, list(strategy.schedule.offsets), steps)
 
     def members(self, tick: int):
         """Which local workers are members of the job at this tick (a membership schedule; tick 0:
@@ -88,14 +83,11 @@ class Pacing:
 
     def is_sync_point(self, tick: int) -> bool:
         """Whether a fragment of the model syncs at this tick (where a joiner can be admitted)."""
-        H = self.strategy.sync_every
-        return bool(H) and any((tick - o) % H == 0 for o in sync_offsets(self.strategy))
+        return self.strategy.schedule.syncs(tick)
 
     def exchanges_at(self, tick: int) -> bool:
         """Whether an exchange starts or lands at this tick (every tick, for a strategy that is not periodic)."""
-        H = self.strategy.sync_every
-        delay = getattr(self.strategy, "overlap_steps", 0)
-        return not H or any((tick - o - lag) % H == 0 for o in sync_offsets(self.strategy) for lag in (0, delay))
+        return self.strategy.schedule.exchanges_at(tick)
 
     def ring_changes(self, tick: int) -> list:
         """The planned changes that need a new ring after this tick: joins admitted at it, leaves at the next."""

@@ -107,8 +107,7 @@ def failure(procs: list, logs: list, errors: list, run_dir: Path) -> str:
         f"; {then}"
 
 
-def run_processes(config: TrainConfig, run_dir: Path, processes: int, resume: bool = False,
-                  collective_timeout: float = 60.0, log=print):
+def run_processes(config: TrainConfig, run_dir: Path, processes: int, resume: bool = False, log=print):
     """Train `config` in `processes` local processes; returns when all have finished."""
     from .resolve import load_data, resolve
     K, run_dir = processes, Path(run_dir)
@@ -128,8 +127,8 @@ def run_processes(config: TrainConfig, run_dir: Path, processes: int, resume: bo
     threads = str(max(1, usable_cores() // K))  # BLAS threads: K processes share the cores, no more
     with tempfile.TemporaryDirectory(prefix="mlx-diloco-sim-") as tmp:
         job, hostfile = Path(tmp) / "job.json", Path(tmp) / "hosts.json"
-        WorkerJob(config.to_dict(), str(run_dir), workers_per_process=config.workers // K,
-                  collective_timeout=collective_timeout, resume_step=step, simulated=True).write(job)
+        WorkerJob(config.to_dict(), str(run_dir), workers_per_process=config.workers // K, resume_step=step,
+                  sim_pid=os.getpid()).write(job)
         hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(K)]))
         args = [sys.executable, "-m", "mlx_diloco", "worker", "--job", str(job)]
         logs = [Path(tmp) / f"process-{r}.log" for r in range(K)]
@@ -156,11 +155,11 @@ def run_processes(config: TrainConfig, run_dir: Path, processes: int, resume: bo
                 p.wait()
 
 
-def exit_with_parent():
-    """In a process that sim started: exit once sim is gone. A sim killed outright (SIGTERM, SIGKILL)
-    never reaches the `finally` that stops its processes, and they would train on alone."""
-    parent = os.getppid()
-
+def exit_with_parent(parent: int):
+    """In a process that sim (process id `parent`) started: exit once sim is gone. A sim killed
+    outright (SIGTERM, SIGKILL) never reaches the `finally` that stops its processes, and they would
+    train on alone. The id comes from sim: one read here could be init's, sim killed while this
+    process was still importing MLX."""
     def watch():
         while os.getppid() == parent:
             time.sleep(1)

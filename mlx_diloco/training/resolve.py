@@ -3,7 +3,7 @@ recorded, its strategy and its model spec (`resolve`: the one place a process bu
 strategy from its config, and where its options are checked), and the model, data and strategy a run
 trains (`Parts`), from a config or from the caller (the Python API)."""
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from ..run_folder import latest_step
@@ -13,7 +13,9 @@ from ..data.post_training import load_post_training
 from ..models.finetune import adapted_blocks, check_fine_tune
 from ..models.zoo import build_model, import_builder, load_spec
 from ..objectives import check_model as check_objective_model
-from ..strategies import make_strategy
+from ..options import AUTO
+from ..strategies import make_strategy, strategy_class
+from ..strategies.outer_lr import DEFAULT_BEFORE_AUTO, with_outer_lr
 from . import checkpoint
 
 
@@ -22,7 +24,16 @@ def saved_config(run_dir: Path) -> TrainConfig:
     if latest_step(run_dir) is None:
         raise ConfigError(f"nothing to resume in {run_dir}: no checkpoint; drop --resume to start a new run")
     _, meta = checkpoint.load(run_dir, log=lambda m: None)  # Run._restore says which one it uses
-    return TrainConfig.from_dict(meta["config"])
+    return as_it_ran(TrainConfig.from_dict(meta["config"]))
+
+
+def as_it_ran(config: TrainConfig) -> TrainConfig:
+    """A saved run's config, its outer lr as the run trained with it: one saved before outer-lr
+    auto that left it to its default trained with DEFAULT_BEFORE_AUTO, and resumes with it."""
+    default = next((f.default for f in fields(strategy_class(config.strategy)) if f.name == "outer_lr"), None)
+    if default != AUTO or "outer_lr" in config.strategy_options:
+        return config
+    return replace(config, strategy_options={**config.strategy_options, "outer_lr": DEFAULT_BEFORE_AUTO})
 
 
 @dataclass
@@ -36,10 +47,13 @@ class Resolved:
 
 def resolve(config: TrainConfig) -> Resolved:
     """The config as the run will use and record it (local paths made absolute, so the run folder
-    works from any directory; seq-len 0 replaced by the model's context), with its strategy and
-    model spec, each checked against the others. The strategy first: a misspelled option is the
-    first thing said, before a model or data is looked for."""
+    works from any directory; seq-len 0 replaced by the model's context; outer-lr auto replaced by
+    its number), with its strategy and model spec, each checked against the others. The strategy
+    first: a misspelled option is the first thing said, before a model or data is looked for."""
     strategy = make_strategy(config.strategy, config.strategy_options)  # its options: names, types, ranges
+    if (resolved := with_outer_lr(strategy, config.workers)) is not strategy:  # recorded as the number
+        strategy = resolved
+        config = replace(config, strategy_options={**config.strategy_options, "outer_lr": strategy.outer_lr})
     config.check_strategy(strategy)
 
     def absolute(path: str, names=()):

@@ -20,12 +20,14 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..records import metrics_row, run_summary
 from ..atomic import atomic_write_text
 from ..config import ConfigError, TrainConfig
 from ..data.datasets import BatchStream, ShardSampler, oversized_batch
 from ..exchange.comm import Communicator, NonFiniteValues
 from ..exchange.ledger import ExchangeLedger
 from ..exchange.network import parse_link
+from ..exchange.ring import init_ring
 from ..exchange.worker_axis import flatten_workers, unflatten
 from ..models.adapters import ADAPTERS, save_adapters
 from ..models.checkpointing import checkpoint_blocks
@@ -38,29 +40,13 @@ from ..objectives import make_objective
 from ..objectives.rewards import RewardError
 from ..run_folder import check_new_run_dir, latest_step
 from ..utilisation import flops_per_token, mfu, peak_gflops
+from ..worker_job import WorkerJob
 from . import checkpoint
 from .callbacks import Loggers, MetricsFile, ProgressBar, ProgressFile, StatusFile, check_loggers
 from .metrics import MetricsLog
 from .pacing import Pacing
 from .resolve import Parts, parts_from_config, resolve, saved_config
 from .workers import Workers, check_loss
-
-
-@dataclass
-class Placement:
-    """Where a cluster worker's pieces are, when they differ from the simulator's defaults."""
-    shard_dir: str = None          # a shard shipped by the launcher (default: read config.data)
-    data_worker: int = None        # which shard this process trains (default: its rank)
-    num_shards: int = None         # how many shards the data was cut into (default: config.workers)
-    checkpoint_dir: str = None     # default: the run folder (rank 0) or run_dir/worker-RANK
-    progress_path: str = None      # a small JSON file rewritten every step, for the agent to report
-    resume_step: int = None        # resume from this checkpoint rather than the newest
-    # An elastic cluster (issue 24): the ring holds the job's current members only, and a membership
-    # change means new processes (MLX cannot re-form a ring inside one).
-    ring_slots: list = None        # the slot (worker id, data shard) of each ring rank (default: the rank)
-    membership: str = None         # who joined and left so far, membership.py's syntax (default: the config's)
-    joiners: list = None           # slots that join at this start, taking the job's state from a member
-    control_path: str = None       # the launcher's requests to save and exit (StopRequests)
 
 
 class StoppedForChange(Exception):
@@ -152,12 +138,13 @@ class Run:
     TrainingCallbacks that hear its reports, after the run's own (metrics files, progress)."""
 
     def __init__(self, config: TrainConfig, run_dir, comm: Communicator, reporter: bool = True,
-                 resume: bool = False, log=print, place: Placement = None, parts: Parts = None, callbacks=None):
+                 resume: bool = False, log=print, job: WorkerJob = None, parts: Parts = None, callbacks=None):
         self.run_dir, self.comm, self.reporter, self.log = Path(run_dir), comm, reporter, log
-        self.place = place = place or Placement()
+        # A worker of a cluster or of sim's processes has its job (worker_job.py); the simulator, the defaults.
+        self.job = job = job or WorkerJob(config={}, run_dir=str(run_dir))
         # Each process checkpoints the workers it hosts; rank 0 (or the simulator) in the run folder.
-        self.checkpoint_dir = Path(place.checkpoint_dir or (
-            self.run_dir if reporter else self.run_dir / f"worker-{comm.local_workers[0]}"))
+        self.checkpoint_dir = self.run_dir if reporter or job.own_run_dir else \
+            self.run_dir / f"worker-{comm.local_workers[0]}"
         if resume:
             config = config or saved_config(self.checkpoint_dir)
         elif reporter:
@@ -166,22 +153,22 @@ class Run:
         self.config = config = resolved.config if resolved else config
         for note in resolved.notes if resolved and reporter else ():
             log(note)
-        ring = len(place.ring_slots) if place.ring_slots else config.workers
+        ring = len(job.ring_slots) if job.ring_slots else config.workers
         if comm.num_workers != ring:
             raise ConfigError(f"the job has {comm.num_workers} workers but the config says {ring}")
         # The slots (worker ids, data shards) of this process's workers.
-        self.slots = [place.ring_slots[w] for w in comm.local_workers] if place.ring_slots else comm.local_workers
+        self.slots = [job.ring_slots[w] for w in comm.local_workers] if job.ring_slots else comm.local_workers
         if resolved is None:  # the caller's strategy (the API): checked against the config here
             config.check_strategy(parts.strategy)
         if reporter:  # report-to's packages, before any model or data is loaded
             check_loggers(config)
-        parts = parts or parts_from_config(resolved, log, place.shard_dir)
+        parts = parts or parts_from_config(resolved, log, job.data_dir)
         self.spec, self.data, model = parts.spec, parts.data, parts.model
         convert_model(model, config)
         self.objective = make_objective(config, model, self.data, log)  # its reference: the model as it starts
         self.strategy = parts.strategy.bind(comm, config.steps)
         self.strategy.setup(model.trainable_parameters())
-        self.pacing = Pacing(config, self.strategy, comm, self.slots, place.membership, log)
+        self.pacing = Pacing(config, self.strategy, comm, self.slots, job.membership, log)
         # Evaluations every outer step of a periodic strategy (else every 50 steps); checkpoints too.
         period = self.strategy.sync_every
         self.eval_every = config.eval_every or period or 50
@@ -194,8 +181,8 @@ class Run:
                                clip=self.strategy.clip_gradients, vectorize=vectorize,
                                loss=self.objective.loss or parts.loss,
                                masked=self.data.masked_targets, log=log)
-        self.data_workers = self.slots if place.data_worker is None else [place.data_worker]
-        self.samplers = self._samplers(place.num_shards or config.workers)
+        self.data_workers = self.slots if job.data_worker is None else [job.data_worker]
+        self.samplers = self._samplers(job.num_shards or config.workers)
         if reporter and not resume and (note := oversized_batch(config.batch_size, self.samplers)):
             log(note)
         self.eval_batches = self.objective.eval_batches(
@@ -218,10 +205,18 @@ class Run:
             self._restore()
         elif reporter:  # everything checked out: only now create the run folder
             self._create_run_folder()
-        if place.ring_slots:  # an elastic cluster's ring
-            self._catch_up(place.joiners or [])
-        self.stop_requests = StopRequests(place.control_path) if place.control_path else None
+        if job.ring_slots:  # an elastic cluster's ring
+            self._catch_up(job.joiners or [])
+        self.stop_requests = StopRequests(job.control) if job.control else None
         self.callbacks = self._own_callbacks(resume) + list(callbacks or [])
+
+    @classmethod
+    def from_job(cls, job: WorkerJob, log=print) -> "Run":
+        """The run of one worker of a cluster job or of sim's processes, as its job says; its rank
+        and peers from MLX's environment (exchange/ring.py)."""
+        comm = init_ring(job.collective_timeout, job.workers_per_process, job.backend)
+        return cls(job.train_config, job.run_dir, comm, reporter=comm.local_workers[0] == 0,
+                   resume=job.resume_step is not None, log=log, job=job)
 
     def _samplers(self, num_shards: int) -> list:
         """Each local worker's cursor in its shard of the training data (batches given one by one:
@@ -247,8 +242,8 @@ class Run:
                     ProgressBar(f"{self.config.strategy} x{self.config.workers}")]
             if self.config.report_to:
                 own.append(Loggers(self.config, self.run_dir))
-        if self.place.progress_path:
-            own.append(ProgressFile(self.place.progress_path))
+        if self.job.progress:
+            own.append(ProgressFile(self.job.progress))
         else:  # (a cluster's launcher writes the job's status.json from the progress files)
             own.append(StatusFile(self.checkpoint_dir, self.slots))
         return own
@@ -431,7 +426,7 @@ class Run:
     def _ring_is_behind(self) -> bool:
         """Whether the schedule plans a change the ring does not hold yet: a join admitted at this step,
         or a leave at the next."""
-        ring = set(self.place.ring_slots or self.slots)
+        ring = set(self.job.ring_slots or self.slots)
         return any((c.worker in ring) != c.joined for c in self.pacing.ring_changes(self.steps_done))
 
     def _meets_peers(self, step: int) -> bool:
@@ -451,9 +446,9 @@ class Run:
     def _report_stop(self, why: str):
         """Tell the launcher (through the progress file its agent reads) where this worker stopped and
         who the members are from the next step on."""
-        if not self.place.progress_path:
+        if not self.job.progress:
             return
-        path = Path(self.place.progress_path)
+        path = Path(self.job.progress)
         progress = json.loads(path.read_text()) if path.exists() else {}
         members = self.pacing.member_slots(self.steps_done + 1)
         atomic_write_text(path, json.dumps({**progress, "stopped": {"step": self.steps_done, "why": why,
@@ -465,9 +460,9 @@ class Run:
         checkpoint), take the job's state from a member (`_admit_joiners`); else the ring would pair
         its exchanges with other ones. Every process of the ring takes part."""
         steps = [int(s) for s in self.comm.gather_metric(mx.full((self.comm.n_local,), self.steps_done))]
-        behind = [slot for slot, step in zip(self.place.ring_slots, steps)
+        behind = [slot for slot, step in zip(self.job.ring_slots, steps)
                   if any(self.pacing.is_sync_point(t) for t in range(step + 1, max(steps) + 1))]
-        for slot, step in zip(self.place.ring_slots, steps):
+        for slot, step in zip(self.job.ring_slots, steps):
             if slot in behind and slot not in joiners and slot in self.slots:
                 self.log(f"worker {slot}'s state (step {step}) is from before a sync the others took: it takes "
                          "the job's state from a member")
@@ -479,7 +474,7 @@ class Run:
         any disk: the launching Mac may hold nothing), the global model and outer optimizer state,
         that member's inner optimizer state, the step and the run's counters; and their shard's cursor
         where the slot's last worker left it. Every process of the ring takes part."""
-        ring = self.place.ring_slots
+        ring = self.job.ring_slots
         if self.strategy.own_state:
             raise ConfigError(f"a worker cannot join a {self.strategy.name} job whose workers each keep "
                               f"{self.strategy.own_state} of their own; start the job with every worker, or without it")
@@ -504,10 +499,10 @@ class Run:
 
     def _by_slot(self, values: list) -> list:
         """One value per slot, NaN where no member is, from one per ring worker (an elastic cluster's)."""
-        if not self.place.ring_slots or values is None:
+        if not self.job.ring_slots or values is None:
             return values
         out = [float("nan")] * self.config.workers
-        for slot, value in zip(self.place.ring_slots, values):
+        for slot, value in zip(self.job.ring_slots, values):
             out[slot] = value
         return out
 
@@ -570,31 +565,26 @@ class Run:
         global_loss = self.workers.eval_params(self.global_params(), self.eval_batches)
         modelled = self.compute_s + ledger.comm_s
         idle = self.pacing.idle_fraction()
-        self._report("on_val_loss_report", {
-            "step": self.steps_done, "outer_step": self.strategy.outer_steps_done(self.steps_done),
-            "tokens": self.tokens(), "examples": self.examples(),
-            "eval_loss": global_loss, "eval_loss_workers": self._by_slot(worker_losses),
-            "train_loss": None if train_losses is None else mean_of_numbers(train_losses),
-            "train_loss_workers": self._by_slot(train_losses),
-            "members": self.pacing.member_count(self.steps_done),
-            "tokens_per_shard": self.tokens_per_shard(), "inner_steps_lost": self.pacing.lost_steps(self.steps_done),
-            "membership_changes": [c.row() for c in self.pacing.changes_between(self._last_evaluation(),
-                                                                                 self.steps_done)],
-            "bytes_sent_per_worker": ledger.bytes_sent, "peak_exchange_bytes": ledger.peak_bytes,
-            "compute_s": self.compute_s,
-            "comm_s": ledger.comm_s, "modelled_time_s": modelled, "sync_wait_s": self.comm.wait_s,
-            # modelled: the share of the time the workers compute (not waiting for the link, or
-            # for slower workers: idle_fraction)
-            "utilisation": self.compute_s * (1 - idle) / modelled if modelled else 1.0,
-            "idle_fraction": idle, "worker_speeds": self.pacing.worker_speeds(),
-            # on a real cluster: compute against the time actually spent waiting for exchanges
-            "measured_utilisation": spent["busy_s"] / (spent["busy_s"] + spent["link_s"] + spent["straggler_s"])
-            if spent["busy_s"] else 1.0, **spent, "flops_per_token": self.flops_per_token, "peak_gflops": self.peak_gflops,
-            "wall_s": time.time() - self.wall_start, "time": time.time(),
-            "peak_memory_bytes": int(self.peak_memory * 1e6), "workers_per_process": self.comm.n_local,
-            "strategy": c.strategy, "workers": c.workers, "sync_every": self.strategy.sync_every, "link": ledger.link.name,
-            "strategy_options": self.strategy.options(), "objective": c.objective, **objective,
-        })
+        self._report("on_val_loss_report", metrics_row(  # (records.py: each key's meaning)
+            step=self.steps_done, outer_step=self.strategy.outer_steps_done(self.steps_done),
+            tokens=self.tokens(), examples=self.examples(),
+            eval_loss=global_loss, eval_loss_workers=self._by_slot(worker_losses),
+            train_loss=None if train_losses is None else mean_of_numbers(train_losses),
+            train_loss_workers=self._by_slot(train_losses),
+            members=self.pacing.member_count(self.steps_done),
+            tokens_per_shard=self.tokens_per_shard(), inner_steps_lost=self.pacing.lost_steps(self.steps_done),
+            membership_changes=[c.row() for c in self.pacing.changes_between(self._last_evaluation(), self.steps_done)],
+            bytes_sent_per_worker=ledger.bytes_sent, peak_exchange_bytes=ledger.peak_bytes,
+            compute_s=self.compute_s, comm_s=ledger.comm_s, modelled_time_s=modelled, sync_wait_s=self.comm.wait_s,
+            utilisation=self.compute_s * (1 - idle) / modelled if modelled else 1.0,
+            idle_fraction=idle, worker_speeds=self.pacing.worker_speeds(),
+            measured_utilisation=spent["busy_s"] / (spent["busy_s"] + spent["link_s"] + spent["straggler_s"])
+            if spent["busy_s"] else 1.0, **spent, flops_per_token=self.flops_per_token, peak_gflops=self.peak_gflops,
+            wall_s=time.time() - self.wall_start, time=time.time(),
+            peak_memory_bytes=int(self.peak_memory * 1e6), workers_per_process=self.comm.n_local,
+            strategy=c.strategy, workers=c.workers, sync_every=self.strategy.sync_every, link=ledger.link.name,
+            strategy_options=self.strategy.options(), objective=c.objective, **objective,
+        ))
 
     def _job_time_spent(self) -> dict:
         """Where the processes' time went (the mean over them: "busy_s" their compute) and the job's MFU
@@ -619,20 +609,19 @@ class Run:
         last = rows[-1] if rows else {}
         # the run's peak: the rows from before a resume hold the peaks of the processes before
         peak = max([int(self.peak_memory * 1e6)] + [r.get("peak_memory_bytes", 0) for r in rows])
-        return {"run_dir": str(self.run_dir), "strategy": self.config.strategy,
-                "workers": self.config.workers, "steps": self.steps_done, "parameters": self.n_params,
-                "final_eval_loss": last.get("eval_loss"), "tokens": last.get("tokens"),
-                "examples": last.get("examples"), "tokens_per_shard": self.tokens_per_shard(),
-                "examples_per_shard": self.examples_per_shard(),
-                "inner_steps_lost": self.pacing.lost_steps(self.steps_done),
-                "bytes_sent_per_worker": self.ledger.bytes_sent, "peak_exchange_bytes": self.ledger.peak_bytes,
-                "compute_s": self.compute_s, "modelled_comm_s": self.ledger.comm_s,
-                "utilisation": last.get("utilisation"), "link": self.ledger.link.describe(),
-                **{k: last.get(k) for k in ("measured_utilisation", "busy_s", "link_s", "straggler_s", "mfu", "flops_per_token",
-                                            "peak_gflops")},
-                "peak_memory_bytes": peak, "workers_per_process": self.comm.n_local,
-                "kernels": kernel_paths().describe(self.config.precision), "inner_step": self.workers.describe(),
-                **{k: last.get(k) for k in self.objective.summary_keys}}
+        return run_summary(
+            run_dir=str(self.run_dir), strategy=self.config.strategy, workers=self.config.workers,
+            steps=self.steps_done, parameters=self.n_params, final_eval_loss=last.get("eval_loss"),
+            tokens=last.get("tokens"), examples=last.get("examples"), tokens_per_shard=self.tokens_per_shard(),
+            examples_per_shard=self.examples_per_shard(), inner_steps_lost=self.pacing.lost_steps(self.steps_done),
+            bytes_sent_per_worker=self.ledger.bytes_sent, peak_exchange_bytes=self.ledger.peak_bytes,
+            compute_s=self.compute_s, modelled_comm_s=self.ledger.comm_s, utilisation=last.get("utilisation"),
+            link=self.ledger.link.describe(),
+            **{k: last.get(k) for k in ("measured_utilisation", "busy_s", "link_s", "straggler_s", "mfu",
+                                        "flops_per_token", "peak_gflops")},
+            peak_memory_bytes=peak, workers_per_process=self.comm.n_local,
+            kernels=kernel_paths().describe(self.config.precision), inner_step=self.workers.describe(),
+            **{k: last.get(k) for k in self.objective.summary_keys})
 
     # ------------------------------------------------------------ checkpoints
     def state(self) -> tuple:
@@ -646,9 +635,9 @@ class Run:
                 "exchanges": self.ledger.state(), "waits_s": {k: spent[k] for k in self.waited_s},
                 "model_preset": self.spec.params if self.spec else None, "vocab_size": self.data.vocab_size,
                 "objective": self.objective.state()}
-        if self.place.ring_slots:
-            meta["membership"] = {"ring_slots": self.place.ring_slots,
-                                  "history": self.place.membership or self.config.membership}
+        if self.job.ring_slots:
+            meta["membership"] = {"ring_slots": self.job.ring_slots,
+                                  "history": self.job.membership or self.config.membership}
         return arrays, meta
 
     def load_state(self, arrays: dict, meta: dict):
@@ -676,5 +665,5 @@ class Run:
                           {**adapter_config(self.config), "model": self.config.model})
 
     def _restore(self):
-        self.load_state(*checkpoint.load(self.checkpoint_dir, self.place.resume_step, log=self.log))
+        self.load_state(*checkpoint.load(self.checkpoint_dir, self.job.resume_step, log=self.log))
         self.log(f"resumed {self.run_dir} at step {self.steps_done}")
