@@ -30,7 +30,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mlx_diloco.config import TrainConfig  # noqa: E402  (MLX-free: the trainer's settings)
-from step_server import serve, step_times  # noqa: E402  (bench/: imports nothing of the project)
 
 
 class Attention(nn.Module):
@@ -180,6 +179,7 @@ def main():
         step = lora_step(args.lora, args.precision, args.batch_size, args.seq_len, args.lora_rank, args.num_layers)
     else:
         step = pretraining_step(args.model, args.precision, args.batch_size, args.seq_len)
+    from step_server import serve, step_times  # (bench/, beside this file)
     if args.serve:
         return serve(step, f"MLX {mx.__version__}, {mx.default_device()}", mx.get_peak_memory)
     best, median = step_times(step, args.steps)

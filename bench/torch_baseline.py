@@ -34,7 +34,6 @@ sys.path.insert(0, str(ROOT))
 
 from mlx_diloco.config import TrainConfig  # noqa: E402  (MLX-free)
 from mlx_diloco.options import ConfigError  # noqa: E402
-from step_server import serve, step_times  # noqa: E402  (bench/: imports nothing of the project)
 
 ACTIVATIONS = {"gelu": lambda x: F.gelu(x, approximate="tanh"),  # MLX's nn.gelu_approx
                "relu": F.relu, "relu2": lambda x: F.relu(x).square()}
@@ -187,6 +186,7 @@ def main():
         step = make_setup(args.model, args.batch_size, args.seq_len, device=args.device, precision=args.precision)
     except ConfigError as e:
         sys.exit(f"error: {e}")
+    from step_server import serve, step_times  # (bench/, beside this file)
     if args.serve:
         return serve(step, label(args.device), lambda: peak_bytes(args.device))
     best, median = step_times(step, args.steps, warmup=2)
