@@ -44,7 +44,7 @@ def main():
     lines = [f"2 hosts at {args.rate}, model {args.model}, 4x64 tokens a step, H={args.sync_every}, {args.steps} steps; "
              f"streaming: P={args.fragments}",
              f"{'run':22} {'compute/step':>13} {'exchanges':>9} {'largest':>9} {'blocked/exchange':>17} "
-             f"{'modelled/exchange':>18} {'util (measured)':>16} {'util (modelled)':>16}"]
+             f"{'modelled/exchange':>18} {'util (measured)':>16} {'util (modelled)':>16} {'compute/wall':>13}"]
     print(lines[0], flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         cluster = EmulatedCluster(2, Path(tmp) / "c", rate=args.rate)
@@ -59,7 +59,8 @@ def main():
                         f"{row['peak_exchange_bytes'] / 1e6:>6.2f} MB "
                         f"{sum(e['blocked_s'] for e in exchanges) / n * 1e3:>14.1f} ms "
                         f"{sum(e['modelled_s'] for e in exchanges) / n * 1e3:>15.1f} ms "
-                        f"{row['measured_utilisation']:>16.1%} {row['utilisation']:>16.1%}")
+                        f"{row['measured_utilisation']:>16.1%} {row['utilisation']:>16.1%} "
+                        f"{row['compute_s'] / row['wall_s']:>13.1%}")
                 print(line, flush=True)
                 lines.append(line)
         finally:
@@ -68,7 +69,8 @@ def main():
         "blocked/exchange: rank 0's measured time blocked per exchange (starting it and waiting for its",
         "  result; includes waiting for the slower peer); modelled/exchange: the network model's time.",
         "util (measured): compute / (compute + blocked); util (modelled): compute / (compute + the",
-        "  modelled exchange time that the overlapped steps do not hide)."], args.out)
+        "  modelled exchange time that the overlapped steps do not hide); compute/wall: rank 0's compute",
+        "  over the wall-clock time since its process started the run (saves, evaluation included)."], args.out)
 
 
 if __name__ == "__main__":

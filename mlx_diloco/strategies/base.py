@@ -26,6 +26,7 @@ from dataclasses import asdict, fields
 
 import mlx.core as mx
 import mlx.optimizers as optim
+from mlx.utils import tree_flatten
 
 from ..exchange.worker_axis import replica
 from ..models.precision import random_word, round_bf16_stochastically
@@ -56,8 +57,9 @@ class AdamW(optim.AdamW):
         state["v"] = mx.zeros(parameter.shape, self.moments_dtype)
 
     def apply_gradients(self, gradients, parameters):
-        # One draw of random bits for every bf16 parameter's rounding (models/precision.py)
-        self.rounding_seed = random_word()
+        # One draw of random bits for every bf16 parameter's rounding (models/precision.py); none for fp32
+        if any(p.dtype == mx.bfloat16 for _, p in tree_flatten(parameters)):
+            self.rounding_seed = random_word()
         return super().apply_gradients(gradients, parameters)
 
     def apply_single(self, gradient, parameter, state):
