@@ -82,7 +82,7 @@ def main():
     if why := can_build():
         raise SystemExit(f"cannot build the emulated cluster: {why}")
 
-    base = [f"--model={args.model}", "--workers=2", "--eval-batches=2", "--warmup=20"]
+    base = [f"--model={args.model}", "--workers=2", "--eval-sequences=32", "--warmup=20"]
     lines = [f"2 hosts, model {args.model}; DiLoCo H={args.sync_every} for {args.diloco_steps} steps, "
              f"DDP for {args.ddp_steps} steps; FP16 exchange",
              f"doctor: {doctor_gflops()}",

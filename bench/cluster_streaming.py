@@ -35,7 +35,7 @@ def main():
     if why := can_build():
         raise SystemExit(f"cannot build the emulated cluster: {why}")
 
-    base = [f"--model={args.model}", "--workers=2", "--seq-len=64", "--batch-size=4", "--eval-batches=2",
+    base = [f"--model={args.model}", "--workers=2", "--seq-len=64", "--batch-size=4", "--eval-sequences=8",
             "--warmup=10", f"--sync-every={args.sync_every}", f"--steps={args.steps}", f"--eval-every={args.steps}",
             f"--link={args.rate}/0.05ms"]
     runs = {"DiLoCo fp16": ["--compress=fp16"],

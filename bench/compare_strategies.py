@@ -23,7 +23,7 @@ if __name__ == "__main__":
 def comparison_settings(steps: int, sync_every: int) -> dict:
     """What every run of the comparison shares (bench/sweep.py varies the rest)."""
     return dict(model="small", data="shakespeare", steps=steps, sync_every=sync_every,
-                eval_every=sync_every, eval_batches=16)
+                eval_every=sync_every, eval_sequences=256)
 
 
 def train(settings: dict, run_dir: Path) -> dict:

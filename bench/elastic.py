@@ -157,7 +157,7 @@ def main():
     if why := can_build():
         raise SystemExit(f"cannot build the emulated cluster: {why}")
     flags = [f"--model={args.preset}", "--workers=4", "--strategy=diloco", f"--sync-every={args.sync_every}",
-             f"--steps={args.steps}", f"--seq-len={args.seq_len}", "--batch-size=4", "--eval-batches=4", "--warmup=20"]
+             f"--steps={args.steps}", f"--seq-len={args.seq_len}", "--batch-size=4", "--eval-sequences=16", "--warmup=20"]
     gflops = doctor_gflops()
     lines = [f"command: sudo .venv/bin/python bench/{Path(__file__).name} {' '.join(sys.argv[1:])}".rstrip(),
              f"doctor: {gflops}"]

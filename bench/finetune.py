@@ -58,8 +58,8 @@ VALID_FROM = 0.9  # the last 10% of the text is held out
 
 def settings(quick: bool) -> dict:
     if quick:
-        return dict(pretrain_steps=30, steps=20, sync_every=10, eval_batches=2)
-    return dict(pretrain_steps=500, steps=300, sync_every=50, eval_batches=25)
+        return dict(pretrain_steps=30, steps=20, sync_every=10, eval_sequences=2 * BATCH)
+    return dict(pretrain_steps=500, steps=300, sync_every=50, eval_sequences=25 * BATCH)
 
 
 def cli(log: Path, *args):
@@ -143,7 +143,7 @@ def fine_tune(name: str, base: Path, out: Path, s: dict, *flags):
     cli(out / f"{name}.log", "mlx-diloco", "sim", "--model", base, "--data", out / "chats", "--mask-prompt",
         "--fine-tune-type", "lora", "--num-layers", 4, "--lora-rank", 8, "--seq-len", SEQ_LEN,
         "--batch-size", BATCH, "--lr", LR, "--steps", s["steps"], "--seed", 0, "--eval-every", s["sync_every"],
-        "--eval-batches", s["eval_batches"], "--sample-tokens", 0, "--run-dir", run, *flags)
+        "--eval-sequences", s["eval_sequences"], "--sample-tokens", 0, "--run-dir", run, *flags)
     r = run_summary(run)
     print(f"{name:14} eval loss {r['final_eval_loss']:.4f}  sent {r['bytes_sent_per_worker']:,} B per worker  "
           f"{r['wall_s']:.0f} s", flush=True)
@@ -248,7 +248,7 @@ def report(out: Path, s: dict, say):
         f"{counts['valid']:,} from the rest")
     say(f"fine-tunes: LoRA rank 8 on all 4 blocks, --mask-prompt, {s['steps']} steps per worker, batch {BATCH} per "
         f"worker, seq-len {SEQ_LEN}, lr {LR:.0e} (warmup 50, cosine), seed 0, fp16 exchange; eval loss on the first "
-        f"{s['eval_batches'] * BATCH} chats of valid.jsonl. One worker: the same steps and batch as each of the 4 "
+        f"{s['eval_sequences']} chats of valid.jsonl. One worker: the same steps and batch as each of the 4 "
         f"(a quarter of their tokens). QLoRA: the base quantized by python -m mlx_lm convert -q --q-bits 4 "
         f"--q-group-size 64. wall: the run's own wall_s (from the model and data loaded to its last evaluation)")
     runs = {name: run_summary(out / name) for name in fine_tunes(s)}

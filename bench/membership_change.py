@@ -164,7 +164,7 @@ def main():
     H = args.sync_every
     steps, kill_step = 3 * H, H + H // 2  # killed mid-round 2: the newest checkpoint is at step H
     flags = ["--workers=3", "--strategy=diloco", f"--sync-every={H}", f"--steps={steps}", "--seq-len=64",
-             "--batch-size=4", "--eval-batches=1", f"--eval-every={steps}", "--warmup=5", "--compress=fp16"]
+             "--batch-size=4", "--eval-sequences=4", f"--eval-every={steps}", "--warmup=5", "--compress=fp16"]
     gflops = doctor_gflops()
     lines = [f"command: sudo .venv/bin/python bench/{Path(__file__).name} {' '.join(sys.argv[1:])}".rstrip(),
              f"doctor: {gflops}",

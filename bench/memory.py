@@ -39,7 +39,7 @@ def measure(model, fine_tune_type, batch, seq_len, precision, moments, ckpt, off
     with tempfile.TemporaryDirectory() as tmp:
         args = [sys.executable, "-m", "mlx_diloco", "sim", "--model", model, "--workers", "1", "--processes", "1",
                 "--steps", str(steps), "--sync-every", "1", "--batch-size", str(batch), "--seq-len", str(seq_len),
-                "--eval-batches", "1", "--sample-tokens", "0", "--precision", precision,
+                "--eval-sequences", str(batch), "--sample-tokens", "0", "--precision", precision,
                 "--moments-precision", moments, "--fine-tune-type", fine_tune_type, "--run-dir", f"{tmp}/r", *extra]
         args += ["--grad-checkpoint"] * ckpt + ["--offload-outer"] * offload
         t = time.time()

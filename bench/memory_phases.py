@@ -55,7 +55,7 @@ def main():
         setattr(cls, name, run)
 
     model, precision, *extra = sys.argv[1:]
-    options = dict(model=model, workers=1, steps=2, sync_every=1, batch_size=4, seq_len=512, eval_batches=1,
+    options = dict(model=model, workers=1, steps=2, sync_every=1, batch_size=4, seq_len=512, eval_sequences=4,
                    precision=precision)
     options.update({k: value(v) for k, v in (e.split("=", 1) for e in extra)})
     run = Run(TrainConfig.from_dict(options), tempfile.mkdtemp() + "/r", SimCommunicator(1), log=lambda m: None)

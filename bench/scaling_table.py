@@ -1,30 +1,28 @@
-"""Table 4 of "Scaling Laws for DiLoCo" (Charles et al., arXiv 2503.09799) at this CPU's scale
-(issue 39): DiLoCo's eval loss at M = 1, 2, 4, 8 replicas against data-parallel, in the paper's
-recipe, with the outer learning rate swept per M.
+"""Table 4 of "Scaling Laws for DiLoCo" (Charles et al., arXiv 2503.09799) the paper's way, at `tiny`:
+DiLoCo's eval loss at M = 1, 2, 4, 8 replicas against data-parallel (DP), every cell tuned.
 
-The recipe (the paper's section 3): D = 20 tokens per parameter; the global batch B fixed, each of
-M replicas taking B/M; H = 30; outer Nesterov momentum 0.9, the outer lr from
-{0.2, 0.4, 0.6, 0.8, 1.0}; AdamW betas 0.9 / 0.99, weight decay 1/T, warmup then cosine to 5% of
-the peak lr, inner clipping 1.0. DP is AdamW on the whole batch B (one worker: what data-parallel
-computes, the gradient clipped as one). The paper takes each cell as the best over inner lr, batch
-and outer lr. Here, on 2 shared cores (docs/results.md says what it cost): the batch is fixed; DP's
-inner lr is swept on a factor-2 grid; DiLoCo's outer lr is swept at one inner lr (LR) over the part
-of the paper's grid around each M's optimum (GRID); then H = 50 around M = 4's best outer lr at
-H = 30 (the rise with H that `--outer-lr auto` extrapolates: strategies/outer_lr.py), and the inner
-lr 2 LR at each M's best outer lr.
+    .venv/bin/python bench/scaling_table.py [--out runs/bench/scaling]     (resumes when run again)
 
-    .venv/bin/python bench/scaling_table.py [--out runs/bench/scaling] [--parallel 2]
-
-Runs go `--parallel` at a time, one process each; run it again to resume (finished runs are kept).
-Prints the table beside the paper's rows and writes scaling.md and scaling.png to --out.
+The recipe is the paper's (bench/tiny_recipe.py): 20 tokens per parameter, H = 30, outer Nesterov
+momentum 0.9, AdamW 0.9/0.99, weight decay 1/T, warmup then cosine to 5%, clipping 1.0. As the paper
+takes each cell as the best over inner lr, global batch and outer lr, so here:
+  DP:     the inner lr on a sqrt(2) grid, walked until the best is interior, at global batches 8-64;
+  M:      at DP's best batch B*, 2B* and 4B* (each replica B/M): the inner lr walked at outer lr 0.6,
+          then the outer lr over the paper's grid {0.2, ..., 1.0} (one step past an end where the best
+          is there) at that inner lr, then the inner lr again at the best outer lr;
+  rule:   beyond the paper, the outer lr and momentum that `--outer-lr auto --outer-momentum auto`
+          choose (strategies/outer_lr.py), the inner lr walked at B* and 2B*.
+The winning cells run again with a second seed (with evaluations along the way, for the curves);
+the spread is printed. Every run evaluates the same first 2,048 held-out sequences (64K tokens).
+The gaps are compared with the paper's power laws (its Table 7) extrapolated to tiny's 42K
+parameters, not with its 35M row. One run at a time, each in its own process.
+Prints the table and writes scaling.md, scaling.png and runs.json to --out.
 """
 
 import argparse
-import json
+import math
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 from pathlib import Path
 
 from mlx_diloco.blas import ensure_fast_blas
@@ -32,162 +30,155 @@ from mlx_diloco.blas import ensure_fast_blas
 if __name__ == "__main__":
     ensure_fast_blas([__file__, *sys.argv[1:]])  # Linux: re-run with OpenBLAS preloaded
 
-MODEL, SEQ = "tiny", 32            # tiny: 42,144 parameters, vocab 512, context 32
-TOKENS_PER_PARAMETER = 20
-GLOBAL_BATCH = 16                  # sequences of 32 tokens: 512 tokens per step, every M
-EVAL_SEQUENCES = 512               # the same first 512 held-out sequences for every run
-LR = 4e-3                          # the inner lr of the outer-lr sweep
-DP_LRS = (1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)
-OUTER_LRS = (0.2, 0.4, 0.6, 0.8, 1.0)  # the paper's grid
+from tiny_recipe import (EVAL_SEQUENCES, MODEL, PARAMETERS, SEQ, TOKENS_PER_PARAMETER, Runs,  # noqa: E402
+                         diloco_config, dp_config, steps_for, walk_values)
+
+H = 30
+MU = 0.9                                               # the paper's outer momentum: the faithful cells
 REPLICAS = (1, 2, 4, 8)
-H, H_LONG = 30, 50
-GRID = {1: OUTER_LRS[:4], 2: OUTER_LRS[:4], 4: OUTER_LRS[1:], 8: OUTER_LRS[1:]}  # outer lrs run at H = 30
-# The paper's Table 4, percent above DP at M = 1, 2, 4, 8 (research39 / the paper's section 4).
+BATCHES = (8, 16, 32, 64)                              # global batches DP is tried at (sequences)
+INNER_LRS = (1e-3, 1.4e-3, 2e-3, 2.8e-3, 4e-3, 5.7e-3, 8e-3, 1.13e-2, 1.6e-2, 2.26e-2, 3.2e-2, 4.5e-2)
+OUTER_LRS = (0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.2)      # the paper's grid and one step past each end
+SECOND_SEED = 1
 PAPER = {"35M": (-0.1, 0.7, 2.0, 3.9), "90M": (-0.1, 0.5, 1.5, 3.1), "180M": (-0.2, 0.3, 1.1, 2.3)}
-PAPER_BEST_OUTER_LR_35M = (0.6, 0.6, 0.6, 1.0)  # Figure 7, H = 30
+LAW_AT_TINY = (0.4, 1.8, 4.6, 8.4)                     # the paper's laws at 42K parameters (REFERENCE.md)
+COLOURS = {0: "black", 1: "tab:blue", 2: "tab:orange", 4: "tab:green", 8: "tab:red"}  # per M, every panel
 
 
-def recipe(parameters: int) -> dict:
-    """The config shared by every run: the token budget as steps of the global batch, and the
-    paper's inner settings."""
-    steps = TOKENS_PER_PARAMETER * parameters // (GLOBAL_BATCH * SEQ)
-    return dict(model=MODEL, seq_len=SEQ, steps=steps, warmup=steps // 10, final_lr=0.05, beta1=0.9,
-                beta2=0.99, weight_decay=1 / steps, grad_clip=1.0, eval_every=5 * H, data="shakespeare")
+def near(lr: float) -> float:
+    """The grid's inner lr nearest `lr` (in log)."""
+    return min(INNER_LRS, key=lambda x: abs(math.log(x / lr)))
 
 
-def run_config(base: dict, M: int, lr: float, outer_lr: float = None, sync_every: int = H) -> dict:
-    """DP (M = 0: one worker on the whole batch) or DiLoCo with M replicas of B/M each."""
-    workers = max(M, 1)
-    run = {**base, "workers": workers, "batch_size": GLOBAL_BATCH // workers, "lr": lr,
-           "eval_batches": EVAL_SEQUENCES // (GLOBAL_BATCH // workers)}
-    if M == 0:
-        return {**run, "strategy": "ddp"}
-    return {**run, "strategy": "diloco", "sync_every": sync_every, "outer_lr": outer_lr, "outer_momentum": 0.9}
+def steps(batch: int) -> int:
+    return steps_for(TOKENS_PER_PARAMETER, batch)
 
 
-def name(run: dict) -> str:
-    if run["strategy"] == "ddp":
-        return f"dp_lr{run['lr']:g}"
-    return f"M{run['workers']}_H{run['sync_every']}_olr{run['outer_lr']:g}_lr{run['lr']:g}"
+def tune_dp(runs: Runs) -> dict:
+    """DP's best over inner lr and global batch (each batch's lr walk starts from 8e-3 x sqrt(B/16))."""
+    for batch in BATCHES:
+        walk_values(lambda lr: runs.loss(dp_config(steps(batch), lr, batch)), INNER_LRS,
+                    near(8e-3 * (batch / 16) ** 0.5))
+    return runs.best(lambda c: c["strategy"] == "ddp" and c["seed"] == 0)
 
 
-def train(run: dict, run_dir: str) -> dict:
-    """One run in this process (a pool's worker), resumed if it was cut off: its summary and config."""
-    from mlx_diloco.config import TrainConfig
-    from mlx_diloco.run_folder import latest_step
-    from mlx_diloco.training.processes import simulate
-    summary = Path(run_dir) / "summary.json"
-    if not summary.exists():
-        simulate(TrainConfig.from_dict(run), Path(run_dir), processes=1,
-                 resume=latest_step(run_dir) is not None, log=lambda m: None)
-    return {**json.loads(summary.read_text()), **json.loads((Path(run_dir) / "config.json").read_text())}
+def tune_faithful(runs: Runs, M: int, batch: int, lr0: float) -> dict:
+    """The best at (M, batch), momentum 0.9: inner lr at outer 0.6, outer lr, inner lr again."""
+    run = lambda lr, outer: runs.loss(diloco_config(M, H, steps(batch), lr, outer, MU, batch))  # noqa: E731
+    inner = walk_values(lambda lr: run(lr, 0.6), INNER_LRS, near(lr0))
+    lr = min(inner, key=inner.get)
+    outer = walk_values(lambda o: run(lr, o), OUTER_LRS, 0.6)
+    walk_values(lambda x: run(x, min(outer, key=outer.get)), INNER_LRS, lr)
+    return runs.best(lambda c: cell(c, M, batch) and c["outer_momentum"] == MU)
 
 
-def run_all(runs: list, out: Path, parallel: int) -> dict:
-    """{name: summary} of every run, `parallel` at a time."""
-    with ProcessPoolExecutor(parallel, mp_context=get_context("spawn")) as pool:
-        futures = {name(r): pool.submit(train, r, str(out / name(r))) for r in runs}
-        done = {}
-        for key, future in futures.items():
-            done[key] = future.result()
-            print(f"  {key}: eval {done[key]['final_eval_loss']:.4f}", flush=True)
-        return done
+def tune_rule(runs: Runs, M: int, batch: int, lr0: float) -> dict:
+    """The best at (M, batch) with the outer lr and momentum of the rule: the inner lr walked."""
+    from mlx_diloco.strategies.outer_lr import auto_outer
+    outer, mu = auto_outer(M, H, steps(batch))
+    walk_values(lambda lr: runs.loss(diloco_config(M, H, steps(batch), lr, outer, mu, batch)), INNER_LRS, near(lr0))
+    return runs.best(lambda c: cell(c, M, batch) and (c["outer_lr"], c["outer_momentum"]) == (outer, mu))
 
 
-def loss(results: dict, key: str) -> float:
-    return results[key]["final_eval_loss"]
+def cell(c: dict, M: int, batch: int) -> bool:
+    return c["strategy"] == "diloco" and c["workers"] == M and c["batch_size"] * M == batch and c["seed"] == 0
 
 
-def best(results: dict, prefix: str) -> str:
-    """The run of `results` whose name starts with `prefix` that ended with the lowest eval loss."""
-    return min((k for k in results if k.startswith(prefix)), key=lambda k: loss(results, k))
+def second_seed(runs: Runs, best: dict) -> dict:
+    """`best` again with the second seed, evaluated ten times along the way (the curves)."""
+    config = {**{k: v for k, v in best.items() if k not in ("loss", "name")}, "seed": SECOND_SEED,
+              "eval_every": best["steps"] // 10}
+    runs.loss(config)
+    return runs.best(lambda c: c == config)
 
 
-def table(results: dict, parameters: int, steps: int, epochs: float) -> str:
-    dp = best(results, "dp_")
-    rows = [f"{MODEL} ({parameters:,} parameters), {TOKENS_PER_PARAMETER} tokens per parameter "
-            f"({TOKENS_PER_PARAMETER * parameters / 1e6:.2f}M tokens, {epochs:.2f} epochs of the train split), "
-            f"global batch {GLOBAL_BATCH} x {SEQ} tokens, {steps:,} steps, H = {H} ({-(-steps // H)} outer steps)",
-            "", "| | DP | M = 1 | M = 2 | M = 4 | M = 8 |", "|---|---|---|---|---|---|"]
-    cells, lrs, inner = [], [], []
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/bench/scaling")
+    args = p.parse_args()
+    runs, start = Runs(args.out), time.time()
+    print(f"# python bench/scaling_table.py: {MODEL}, {PARAMETERS:,} parameters, "
+          f"{TOKENS_PER_PARAMETER} tokens per parameter, H = {H}", flush=True)
+    dp = tune_dp(runs)
+    B = dp["batch_size"]
+    faithful, rule = {}, {}
     for M in REPLICAS:
-        k = best(results, f"M{M}_H{H}_")
-        cells.append(f"{loss(results, k):.4f} ({loss(results, k) / loss(results, dp) - 1:+.1%})")
-        lrs.append(f"{results[k]['outer_lr']:g}")
-        inner.append(f"{results[k]['lr']:g}")
-    rows.append(f"| {MODEL}, this run | {loss(results, dp):.4f} | " + " | ".join(cells) + " |")
-    rows.append("| best outer lr (H = 30) | | " + " | ".join(lrs) + " |")
-    rows.append(f"| best inner lr | {results[dp]['lr']:g} (of {len(DP_LRS)}) | " + " | ".join(inner) + " |")
+        batches = [b for b in (B, 2 * B, 4 * B) if b % M == 0]
+        faithful[M] = min((tune_faithful(runs, M, b, dp["lr"] * (b / B) ** 0.5) for b in batches),
+                          key=lambda r: r["loss"])
+        rule[M] = min((tune_rule(runs, M, b, dp["lr"] * (b / B) ** 0.5) for b in batches[:2]),
+                      key=lambda r: r["loss"])
+    seeds = {"dp": second_seed(runs, dp), **{("faithful", M): second_seed(runs, faithful[M]) for M in REPLICAS},
+             **{("rule", M): second_seed(runs, rule[M]) for M in REPLICAS}}
+    text = table(dp, faithful, rule, seeds)
+    print(text)
+    print(f"\n{len(runs.configs)} runs; {time.time() - start:.0f} s this invocation")
+    Path(args.out, "scaling.md").write_text(text + "\n")
+    print(f"plot: {plot(runs, dp, faithful, rule, seeds, Path(args.out))}")
+
+
+def gap(loss: float, dp: float) -> str:
+    return f"{loss / dp - 1:+.1%}"
+
+
+def table(dp: dict, faithful: dict, rule: dict, seeds: dict) -> str:
+    d0, d1 = dp["loss"], seeds["dp"]["loss"]
+    rows = [f"{MODEL} ({PARAMETERS:,} parameters), {TOKENS_PER_PARAMETER} tokens per parameter, H = {H}; "
+            f"eval on the first {EVAL_SEQUENCES:,} held-out sequences ({EVAL_SEQUENCES * SEQ // 1000}K tokens). "
+            "Each cell: the best over inner lr, global batch and outer lr; in brackets the gap with the "
+            f"second seed (seed {SECOND_SEED}) against DP's second seed.",
+            "", "| | DP | M = 1 | M = 2 | M = 4 | M = 8 |", "|---|---|---|---|---|---|"]
+
+    def row(label: str, cells: dict, key) -> str:
+        return f"| {label} | {d0:.4f} | " + " | ".join(
+            f"{cells[M]['loss']:.4f} ({gap(cells[M]['loss'], d0)}; {gap(seeds[(key, M)]['loss'], d1)})"
+            for M in REPLICAS) + " |"
+    rows.append(row("faithful (momentum 0.9)", faithful, "faithful"))
+    rows.append("| its global batch, inner lr, outer lr | " + f"{dp['batch_size']}, {dp['lr']:g} | " + " | ".join(
+        f"{faithful[M]['batch_size'] * M}, {faithful[M]['lr']:g}, {faithful[M]['outer_lr']:g}" for M in REPLICAS) + " |")
+    rows.append(row("rule (auto outer lr and momentum)", rule, "rule"))
+    rows.append("| its global batch, inner lr, outer lr / momentum | | " + " | ".join(
+        f"{rule[M]['batch_size'] * M}, {rule[M]['lr']:g}, {rule[M]['outer_lr']:g} / {rule[M]['outer_momentum']:g}"
+        for M in REPLICAS) + " |")
+    rows.append("| the paper's laws at 42K parameters | | " + " | ".join(f"+{g:.1f}%" for g in LAW_AT_TINY) + " |")
     for size, gaps in PAPER.items():
         rows.append(f"| paper, {size} | | " + " | ".join(f"{g:+.1f}%" for g in gaps) + " |")
-    rows.append("| paper, best outer lr at 35M | | " + " | ".join(f"{x:g}" for x in PAPER_BEST_OUTER_LR_35M) + " |")
-    dp_by_lr = ", ".join(f"{lr:g}: {loss(results, f'dp_lr{lr:g}'):.4f}" for lr in DP_LRS)
-    rows += ["", f"Eval loss by outer lr (inner lr {LR:g}; DP by inner lr: {dp_by_lr}):",
-             "", "| M, H | " + " | ".join(f"{x:g}" for x in OUTER_LRS) + " |", "|---" * (len(OUTER_LRS) + 1) + "|"]
-    for M, h in [*((M, H) for M in REPLICAS), (4, H_LONG)]:
-        rows.append(f"| {M}, {h} | " + " | ".join(f"{loss(results, key):.4f}" if (key := f"M{M}_H{h}_olr{x:g}_lr{LR:g}")
-                                                   in results else "-" for x in OUTER_LRS) + " |")
+    rows.append(f"\nDP's second seed: {d1:.4f} ({gap(d1, d0)} from the first).")
     return "\n".join(rows)
 
 
-def plot(results: dict, out: Path) -> Path:
-    """Left: eval loss against the outer lr, a line per (M, H), DP's best as a level. Right: eval
-    (solid) and train (dotted) loss against steps for DP's best and each M's best."""
+def plot(runs: Runs, dp: dict, faithful: dict, rule: dict, seeds: dict, out: Path) -> Path:
+    """Left: the faithful cells' eval loss against the outer lr (at each M's best batch and inner lr),
+    DP as a level. Right: eval loss against tokens of the second seeds, DP and each M (faithful solid,
+    rule dashed). One colour per M in both panels."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from mlx_diloco.plot import save_figure
     from mlx_diloco.training.metrics import MetricsLog
 
-    dp = best(results, "dp_")
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for M, h in [*((M, H) for M in REPLICAS), (4, H_LONG)]:
-        ran = [(x, loss(results, key)) for x in OUTER_LRS if (key := f"M{M}_H{h}_olr{x:g}_lr{LR:g}") in results]
-        left.plot(*zip(*ran), marker="o", linestyle="-" if h == H else "--", label=f"M={M}, H={h}")
-    left.axhline(loss(results, dp), color="black", linewidth=1, label=f"DP (lr {results[dp]['lr']:g})")
-    left.set_xlabel("outer lr")
+    for M in REPLICAS:
+        f = faithful[M]
+        by_outer = sorted((c["outer_lr"], runs.losses[k]) for k, c in runs.configs.items()
+                          if cell(c, M, f["batch_size"] * M) and c["outer_momentum"] == MU and c["lr"] == f["lr"])
+        left.plot(*zip(*by_outer), marker="o", color=COLOURS[M], label=f"M={M} (batch {f['batch_size'] * M}, lr {f['lr']:g})")
+    left.axhline(dp["loss"], color=COLOURS[0], linewidth=1, label=f"DP (batch {dp['batch_size']}, lr {dp['lr']:g})")
+    left.set_xlabel("outer lr (momentum 0.9)")
     left.set_ylabel("final eval loss")
-    left.set_title(f"inner lr {LR:g}")
     left.grid(alpha=0.3)
     left.legend(fontsize=7)
-    for key in [dp, *(best(results, f"M{M}_H{H}_") for M in REPLICAS)]:
-        rows = MetricsLog.read(out / key)[1:]
-        line, = right.plot([r["step"] for r in rows], [r["eval_loss"] for r in rows], marker=".", label=key)
-        train = [r for r in rows if r.get("train_loss") is not None]
-        right.plot([r["step"] for r in train], [r["train_loss"] for r in train], linestyle=":", color=line.get_color())
-    right.set_xlabel("step")
-    right.set_ylabel("loss (solid: held-out eval; dotted: train)")
-    right.set_title("DP and each M at its best")
+    for key, style in [("dp", "-"), *((("faithful", M), "-") for M in REPLICAS), *((("rule", M), "--") for M in REPLICAS)]:
+        rows = MetricsLog.read(runs.out / seeds[key]["name"])[1:]
+        M = 0 if key == "dp" else key[1]
+        label = "DP" if key == "dp" else f"M={M}, {key[0]}"
+        right.plot([r["tokens"] / 1e6 for r in rows], [r["eval_loss"] for r in rows], style, color=COLOURS[M],
+                   marker=".", label=label)
+    right.set_xlabel("tokens (millions)")
+    right.set_ylabel("eval loss (second seed)")
     right.grid(alpha=0.3)
-    right.legend(fontsize=7)
-    return save_figure(fig, out / "scaling.png", "DiLoCo against DP at 20 tokens per parameter (tiny)")
-
-
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="runs/bench/scaling")
-    p.add_argument("--parallel", type=int, default=2, help="runs at a time, one process each")
-    args = p.parse_args()
-    out = Path(args.out)
-    from mlx_diloco.data.datasets import prepare
-    from mlx_diloco.models.zoo import build_model, count_parameters, load_spec
-    spec = load_spec(MODEL)
-    parameters = count_parameters(build_model(spec))
-    train_tokens = len(prepare("shakespeare", SEQ, spec.vocab_size, "", log=lambda m: None).train) * SEQ
-    base = recipe(parameters)
-    start = time.time()
-    print(f"# python bench/scaling_table.py: {MODEL}, {parameters:,} parameters, {base['steps']:,} steps", flush=True)
-    runs = [run_config(base, 0, lr) for lr in DP_LRS] + [run_config(base, M, LR, x) for M in REPLICAS for x in GRID[M]]
-    results = run_all(runs, out, args.parallel)
-    best_outer = {M: results[best(results, f"M{M}_H{H}_")]["outer_lr"] for M in REPLICAS}
-    more = [run_config(base, 4, LR, x, H_LONG) for x in OUTER_LRS if abs(x - best_outer[4]) < 0.3]  # around M=4's best
-    more += [run_config(base, M, 2 * LR, best_outer[M]) for M in REPLICAS]
-    results.update(run_all(more, out, args.parallel))
-    text = table(results, parameters, base["steps"], TOKENS_PER_PARAMETER * parameters / train_tokens)
-    print(text)
-    print(f"\n{len(results)} runs, {args.parallel} at a time: {time.time() - start:.0f} s this invocation")
-    (out / "scaling.md").write_text(text + "\n")
-    print(f"plot: {plot(results, out)}")
+    right.legend(fontsize=7, ncol=2)
+    return save_figure(fig, out / "scaling.png", "DiLoCo against DP at 20 tokens per parameter (tiny), every cell tuned")
 
 
 if __name__ == "__main__":

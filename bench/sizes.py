@@ -123,7 +123,7 @@ def worker_modules(root: Path) -> list:
     """The package modules a worker has loaded by the end of a one-step job (one process: a ring of one)."""
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        config = dict(model="tiny", seq_len=16, batch_size=4, workers=1, steps=1, warmup=0, eval_batches=1,
+        config = dict(model="tiny", seq_len=16, batch_size=4, workers=1, steps=1, warmup=0, eval_sequences=4,
                       sync_every=1)
         (tmp / "job.json").write_text(json.dumps({"config": config, "run_dir": str(tmp / "run")}))
         (tmp / "hostfile.json").write_text(json.dumps([["127.0.0.1:1"]]))

@@ -50,7 +50,7 @@ def main():
 
     out = Path(args.out)
     names = args.only.split(",") if args.only else list(RUNS)
-    common = dict(model="small", data="shakespeare", workers=4, steps=args.steps, eval_every=30, eval_batches=16)
+    common = dict(model="small", data="shakespeare", workers=4, steps=args.steps, eval_every=30, eval_sequences=256)
     print(f"{'strategy':14} {'eval loss':>9} {'sent/worker':>12} " + " ".join(f"{name:>11}" for name in LINKS))
     for name in names:
         shutil.rmtree(out / name, ignore_errors=True)

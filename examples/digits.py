@@ -51,7 +51,7 @@ def main():
     X, y = (X[order] / 16).astype(np.float32), y[order].astype(np.int32)
     train, test = (X[:1500], y[:1500]), (X[1500:], y[1500:])
     mx.random.seed(0)
-    trainer = Trainer(MLP(), loss_fn, train, test, batch_size=16, lr=3e-3, warmup=20, eval_batches=18,
+    trainer = Trainer(MLP(), loss_fn, train, test, batch_size=16, lr=3e-3, warmup=20, eval_sequences=288,
                       eval_every=20, log=lambda m: None)
 
     strategies = {"ddp": DDP(compress="fp32"), "diloco": DiLoCo(sync_every=20),

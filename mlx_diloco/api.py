@@ -28,7 +28,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .config import ConfigError, TrainConfig
+from .config import ConfigError, TrainConfig, held_out_in_sequences
 from .data.datasets import ArrayExamples, BatchStream, Dataset
 from .exchange.comm import SimCommunicator
 from .exchange.network import modelled_time, parse_link
@@ -45,14 +45,20 @@ from .training.run import Run
 from .training.workers import check_loss
 
 
-def examples(data, what: str, batches: int = None):
+def examples(data, what: str, sequences: int = None):
     """(inputs, targets) arrays -> ArrayExamples; an iterable of batches -> a BatchStream (training)
-    or the first `batches` batches, joined (evaluation)."""
+    or its first batches holding `sequences` examples, joined (evaluation: the run takes the first
+    `sequences` of them)."""
     if isinstance(data, tuple) and len(data) == 2:
         return ArrayExamples(np.asarray(data[0]), np.asarray(data[1]))
-    if batches is None:
+    if sequences is None:
         return BatchStream(data)
-    taken = [b for b, _ in zip(data, range(batches))]
+    taken, held = [], 0
+    for batch in data:
+        if held >= sequences:
+            break
+        taken.append(batch)
+        held += len(batch[0])
     if not taken:
         raise ConfigError(f"{what} holds no batch; give (inputs, targets) arrays or an iterable of (x, y) batches")
     return ArrayExamples(*(np.concatenate([np.asarray(b[i]) for b in taken]) for i in (0, 1)))
@@ -117,6 +123,7 @@ def trainer_config(given: dict) -> TrainConfig:
     """A Trainer's settings as a config (sim's defaults for the rest): any config key but those
     the Trainer's arguments give; an unknown name or a wrong type is one line."""
     keys = [f.name for f in fields(TrainConfig) if f.name not in ARGUMENTS]
+    given = held_out_in_sequences(given)
     for key in given:
         if key in ARGUMENTS:
             raise ConfigError(f"'{key}' is not a Trainer setting; pass it as {ARGUMENTS[key]}")
@@ -140,7 +147,7 @@ class Trainer:
         self.train = examples(train_data, "train_data")
         # Without eval data the training data is evaluated (pass eval_data when train_data is a one-shot generator).
         self.eval = examples(train_data if eval_data is None else eval_data, "eval_data",
-                             batches=self.config.eval_batches)
+                             sequences=self.config.eval_sequences)
 
     def fit(self, strategy, workers: int = None, steps: int = None, resume: bool = False, run_dir=None,
             processes: int = 0, callbacks=None) -> FitResult:

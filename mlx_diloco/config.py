@@ -15,7 +15,7 @@ from pathlib import Path
 from .exchange.network import parse_link
 from .membership import Schedule, check_strategy as check_membership
 from .mlx_lm_config import read_yaml_config
-from .options import ConfigError, from_dict, option, read_json  # ConfigError: most callers import it from here
+from .options import ConfigError, from_dict, option, read_json, shown  # ConfigError: most callers import it from here
 from .speeds import Speeds
 
 
@@ -29,6 +29,20 @@ DEFAULT_BETA = {"dpo": 0.1, "orpo": 0.1, "grpo": 0.0}  # TRL's (mlx-lm-lora's GR
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
 BUILT_IN_REWARDS = ("exact_answer", "number_match", "format", "length")  # objectives/rewards.py
+
+
+def held_out_in_sequences(params: dict) -> dict:
+    """`eval_batches` K (mlx-lm's val_batches; run folders from before eval_sequences) is K batches of
+    the run's batch size: the same held-out examples as eval_sequences = K x batch_size."""
+    if "eval_batches" not in params:
+        return params
+    if "eval_sequences" in params:
+        raise ConfigError("give eval_sequences or eval_batches (batches of batch_size), not both")
+    batches, batch = params["eval_batches"], params.get("batch_size", TrainConfig.batch_size)
+    if type(batches) is not int or type(batch) is not int:
+        raise ConfigError(f"eval_batches must be a whole number of batches (got {shown(batches)}); "
+                          "or give eval_sequences, the held-out examples per evaluation")
+    return {**{k: v for k, v in params.items() if k != "eval_batches"}, "eval_sequences": batches * batch}
 
 
 @dataclass
@@ -98,7 +112,8 @@ class TrainConfig:
     grad_clip: float = option(1.0, "per-worker gradient norm clip (0 disables)")
     # Evaluation, bookkeeping
     eval_every: int = option(0, "inner steps between evaluations (0: every outer step, or 50 without one)")
-    eval_batches: int = option(8, "held-out batches per evaluation")
+    eval_sequences: int = option(128, "held-out examples per evaluation: the first N of the held-out split, the "
+                                      "same text whatever the batch size, worker count or strategy")
     seed: int = option(0, "random seed (model init, data order)")
     link: str = option("1gbe", "network for the time model: tb5, tb4, 10gbe, 1gbe, wifi, internet, or e.g. "
                                "'100mbit/20ms'")
@@ -139,6 +154,7 @@ class TrainConfig:
         if not isinstance(options, dict):
             raise ConfigError(f"strategy_options must be a JSON object ({{\"sync_every\": 50, ...}}), "
                               f"not a {type(options).__name__}")
+        params = held_out_in_sequences(params)
         config = from_dict(cls, {k: v for k, v in params.items() if k in own}, what="config key")
         config.strategy_options = {**options, **{k: v for k, v in params.items()
                                                  if k not in own and k != "strategy_options"}}
@@ -152,7 +168,7 @@ class TrainConfig:
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist; pass the path of a JSON or YAML config")
         if path.suffix.lower() in (".yaml", ".yml"):
-            return cls.from_dict(read_yaml_config(path, {f.name for f in fields(cls)}))
+            return cls.from_dict(read_yaml_config(path, {f.name for f in fields(cls)} | {"eval_batches"}))
         return cls.from_dict(read_json(path, "a config file", 'pass a JSON config ({"workers": 4, ...})'))
 
     def to_dict(self) -> dict:
@@ -223,7 +239,8 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             need(0 <= getattr(self, name) < 1, f"{name} must be in [0, 1) (got {getattr(self, name)})")
         need(self.grad_clip >= 0, f"grad-clip must be >= 0, 0 disables it (got {self.grad_clip})")
-        need(self.eval_every >= 0 and self.eval_batches >= 1, "eval-every must be >= 0 and eval-batches >= 1")
+        need(self.eval_every >= 0, f"eval-every must be >= 0 steps, 0 for every outer step (got {self.eval_every})")
+        need(self.eval_sequences >= 1, f"eval-sequences must be >= 1 held-out examples (got {self.eval_sequences})")
         for key in ("precision", "moments_precision"):
             need(getattr(self, key) in PRECISIONS,
                  f"{key.replace('_', '-')} must be one of {', '.join(PRECISIONS)} (got '{getattr(self, key)}')")

@@ -80,6 +80,8 @@ SUMMARY = {
     "steps": "steps done",
     "parameters": "the model's parameters",
     "final_eval_loss": "the last row's eval_loss",
+    "eval_examples": "the held-out examples every evaluation scores: the first ones of the held-out split, "
+                     "the same whatever the batch size, worker count or strategy (--eval-sequences)",
     "tokens": ROW["tokens"],
     "examples": ROW["examples"],
     "tokens_per_shard": ROW["tokens_per_shard"],

@@ -16,7 +16,7 @@ def tiny_config(**overrides):
     from dataclasses import fields
     from mlx_diloco.config import TrainConfig
     from mlx_diloco.strategies import strategy_class
-    params = dict(model="tiny", seq_len=16, batch_size=4, workers=2, steps=12, warmup=2, eval_batches=2)
+    params = dict(model="tiny", seq_len=16, batch_size=4, workers=2, steps=12, warmup=2, eval_sequences=8)
     if "sync_every" in {f.name for f in fields(strategy_class(overrides.get("strategy", "diloco")))}:
         params["sync_every"] = 4
     params.update(overrides)

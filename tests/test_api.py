@@ -144,7 +144,7 @@ def test_a_model_builder_runs_from_the_command_line(tmp_path):
         "build.preset = {'vocab_size': 512, 'context_length': 32}\n")
     from conftest import run_cli
     out = run_cli("sim", "--model", "mymodels:build", "--steps", "8", "--sync-every", "4", "--workers", "2",
-                  "--batch-size", "4", "--eval-batches", "2", "--run-dir", tmp_path / "r", "--sample-tokens", "3",
+                  "--batch-size", "4", "--eval-sequences", "8", "--run-dir", tmp_path / "r", "--sample-tokens", "3",
                   env={"PYTHONPATH": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-2000:]
     assert "final eval loss" in out.stdout and "sample:" in out.stdout

@@ -285,7 +285,7 @@ def test_launch_runs_a_job_on_the_machines_of_an_mlx_hostfile_and_writes_it_back
         {"ssh": "127.0.0.2", "ips": ["127.0.0.2"], "rdma": []}, {"ssh": "me@127.0.0.3", "ips": ["127.0.0.3"], "rdma": []}]}))
     try:
         out = run_cli("launch", "--hostfile", hostfile, "--model", "tiny", "--seq-len", 16, "--batch-size", 4,
-                      "--steps", 8, "--sync-every", 4, "--eval-batches", 2, "--warmup", 2, "--run-dir", tmp_path / "run",
+                      "--steps", 8, "--sync-every", 4, "--eval-sequences", 8, "--warmup", 2, "--run-dir", tmp_path / "run",
                       env={"MLX_DILOCO_SECRET": SECRET})
     finally:
         for proc, _ in started:

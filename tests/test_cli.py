@@ -7,7 +7,7 @@ import pytest
 from conftest import run_cli
 
 COMMON = ["--model", "tiny", "--seq-len", "16", "--batch-size", "4", "--workers", "2", "--steps", "8",
-          "--eval-batches", "2"]
+          "--eval-sequences", "8"]
 TINY = COMMON + ["--sync-every", "4"]
 
 

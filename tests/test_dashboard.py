@@ -241,7 +241,7 @@ def command(log: Path, *args, env=None):
 def test_the_page_follows_a_live_sim_and_shows_it_afterwards(browser, tmp_path):
     run_dir, steps, every = tmp_path / "run", 600, 20
     sim = command(tmp_path / "sim.log", "sim", "--model", "tiny", "--seq-len", 16, "--batch-size", 4, "--workers", 4,
-                  "--steps", steps, "--sync-every", every, "--warmup", 2, "--eval-batches", 2, "--sample-tokens", 0,
+                  "--steps", steps, "--sync-every", every, "--warmup", 2, "--eval-sequences", 8, "--sample-tokens", 0,
                   "--processes", 2, "--run-dir", run_dir, "--dashboard", "127.0.0.1:0")
     try:
         browser.get(printed_url(tmp_path / "sim.log", sim))

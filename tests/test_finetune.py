@@ -182,7 +182,7 @@ def test_num_layers_above_the_blocks_puts_adapters_on_all_of_them_said_once(base
     import mlx.core as mx
     from conftest import run_cli
     out = run_cli("sim", "--model", base, "--fine-tune-type", "lora", "--lora-rank", RANK, "--seq-len", 16,
-                  "--batch-size", 4, "--workers", 2, "--processes", 2, "--steps", 2, "--warmup", 0, "--eval-batches", 1,
+                  "--batch-size", 4, "--workers", 2, "--processes", 2, "--steps", 2, "--warmup", 0, "--eval-sequences", 4,
                   "--sample-tokens", 0, "--run-dir", tmp_path / "run")
     assert out.returncode == 0, out.stderr[-2000:]
     note = f"num-layers 16 is more than the model's {LAYERS} blocks: adapters on all {LAYERS}, as mlx-lm puts them"

@@ -23,7 +23,7 @@ from mlx_diloco.training.resolve import resolve
 from mlx_diloco.training.run import Run
 
 QUIET = dict(log=lambda m: None)
-TINY = ["--model", "tiny", "--batch-size", "4", "--workers", "2", "--eval-batches", "2", "--sample-tokens", "0"]
+TINY = ["--model", "tiny", "--batch-size", "4", "--workers", "2", "--eval-sequences", "8", "--sample-tokens", "0"]
 
 
 def rows_of(run_dir):
@@ -298,7 +298,7 @@ def test_fit_without_a_run_dir_leaves_no_folder(tmp_path):
 
 def test_resuming_a_finished_run_keeps_its_peak_memory(tmp_path):
     args = ["sim", "--model", "tiny", "--seq-len", "16", "--batch-size", "4", "--workers", "2", "--steps", "4",
-            "--sync-every", "2", "--eval-batches", "2", "--processes", "1", "--sample-tokens", "0",
+            "--sync-every", "2", "--eval-sequences", "8", "--processes", "1", "--sample-tokens", "0",
             "--run-dir", tmp_path / "r"]
     assert run_cli(*args).returncode == 0
     peak = json.loads((tmp_path / "r" / "summary.json").read_text())["peak_memory_bytes"]

@@ -18,7 +18,7 @@ from mlx_diloco.training.resolve import resolve
 from mlx_diloco.training.run import Run
 
 TINY = dict(model="tiny", seq_len=16, batch_size=4, eval_batches=2, warmup=2)
-TINY_FLAGS = ["--model", "tiny", "--seq-len", "16", "--batch-size", "4", "--eval-batches", "2", "--warmup", "2"]
+TINY_FLAGS = ["--model", "tiny", "--seq-len", "16", "--batch-size", "4", "--eval-sequences", "8", "--warmup", "2"]
 
 
 def test_every_problem_is_a_valid_config(tmp_path):
@@ -86,6 +86,16 @@ def test_sweep_runs_every_point_and_resumes(tmp_path):
     assert (tmp_path / "s" / names[3] / "summary.json").exists()
     bad = run_cli("sweep", "--grid", "sync_evry=3", "--out", tmp_path / "t", *TINY_FLAGS)
     assert bad.returncode == 2 and "did you mean 'sync_every'" in bad.stderr and not (tmp_path / "t").exists()
+
+
+def test_a_sweep_over_strategies_keeps_each_points_own_options(tmp_path):
+    # H given for the sweep (or by a problem, as the post-training problems' H = 25) and a ddp point:
+    # ddp has no H, and its point runs without it rather than the sweep refusing every point
+    out = run_cli("sweep", "--grid", "strategy=diloco,ddp", "--sync-every", "3", "--out", tmp_path / "s",
+                  *TINY_FLAGS, "--steps", "3", "--workers", "2", "--processes", "1")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads((tmp_path / "s" / "strategy=ddp" / "config.json").read_text())["strategy"] == "ddp"
+    assert json.loads((tmp_path / "s" / "strategy=diloco" / "config.json").read_text())["sync_every"] == 3
 
 
 def test_speeds_pace_workers():

@@ -71,7 +71,7 @@ def test_a_cached_snapshot_without_weights_is_not_the_model(tmp_path):
 def sim(tmp_path, run_dir, model, *flags, env):
     (tmp_path / "text.txt").write_text("the user asks and the assistant answers the question\n" * 200)
     return run_cli("sim", "--model", model, "--data", tmp_path / "text.txt", "--seq-len", 16, "--batch-size", 2,
-                   "--workers", 2, "--steps", 4, "--sync-every", 2, "--eval-batches", 1, "--run-dir", run_dir,
+                   "--workers", 2, "--steps", 4, "--sync-every", 2, "--eval-sequences", 2, "--run-dir", run_dir,
                    *flags, env={**OFFLINE, **env})
 
 

@@ -22,7 +22,7 @@ from mlx_diloco.training.run import Run
 # 4 slots, H = 4: worker 3 leaves at step 6, mid-round (it took step 5), and the rise at step 9
 # admits it after the sync at step 12.
 SCHEDULE = "0:4,6:3,9:4"
-TINY_FLAGS = ["--model", "tiny", "--seq-len", "16", "--batch-size", "4", "--eval-batches", "2", "--warmup", "2"]
+TINY_FLAGS = ["--model", "tiny", "--seq-len", "16", "--batch-size", "4", "--eval-sequences", "8", "--warmup", "2"]
 
 
 def config(**overrides):

@@ -62,7 +62,7 @@ def test_peak_memory_is_measured_and_bf16_checkpointing_lowers_it(tmp_path):
     peaks = {}
     for name, flags in {"fp32": [], "lean": ["--precision", "bf16", "--grad-checkpoint", "--offload-outer"]}.items():
         out = run_cli("sim", "--model", "small", "--workers", "1", "--processes", "1", "--steps", "2",
-                      "--sync-every", "1", "--eval-batches", "1", "--sample-tokens", "0", *flags,
+                      "--sync-every", "1", "--eval-sequences", "16", "--sample-tokens", "0", *flags,
                       "--run-dir", tmp_path / name)
         assert out.returncode == 0, out.stderr[-2000:]
         assert "peak memory" in out.stdout

@@ -15,7 +15,7 @@ from mlx_diloco import DiLoCo, Trainer
 from mlx_diloco.config import ConfigError, TrainConfig
 from mlx_diloco.strategies.base import lr_schedule
 
-TINY = ["--model", "tiny", "--seq-len", "16", "--batch-size", "4", "--workers", "4", "--eval-batches", "2",
+TINY = ["--model", "tiny", "--seq-len", "16", "--batch-size", "4", "--workers", "4", "--eval-sequences", "8",
         "--sample-tokens", "0"]
 
 
@@ -45,7 +45,7 @@ def test_warmup_defaults_to_a_fifth_of_the_run_at_most_50_steps():
         TrainConfig.from_dict({"final_lr": 5.0})
     # the API's defaults are sim's, defined once (the Trainer's settings are a TrainConfig)
     settings = Trainer(None, None, (np.zeros((4, 2)), np.zeros(4))).config
-    for name in ("warmup", "lr", "batch_size", "weight_decay", "grad_clip", "eval_batches", "link", "workers", "steps"):
+    for name in ("warmup", "lr", "batch_size", "weight_decay", "grad_clip", "eval_sequences", "link", "workers", "steps"):
         assert getattr(settings, name) == getattr(TrainConfig, name), name
 
 

@@ -53,5 +53,5 @@ def test_the_wheel_holds_every_package_and_runs_from_a_fresh_virtualenv(tmp_path
     assert where.startswith(str(venv)), where  # the installed wheel, not this checkout
     assert "shakespeare-home" in cli("gym", "list")
     out = cli("sim", "--model", "tiny", "--steps", "4", "--sync-every", "2", "--seq-len", "16", "--batch-size", "2",
-              "--eval-batches", "1", "--run-dir", str(tmp_path / "run"))
+              "--eval-sequences", "2", "--run-dir", str(tmp_path / "run"))
     assert (tmp_path / "run" / "summary.json").exists(), out

@@ -14,7 +14,7 @@ from mlx_diloco.training.run import Run
 from mlx_diloco.worker_job import WorkerJob
 
 FLAGS = ["--model", "tiny", "--seq-len", "16", "--batch-size", "4", "--workers", "4", "--steps", "12",
-         "--eval-batches", "2", "--warmup", "2", "--sample-tokens", "0", "--compress", "fp32"]  # as tiny_config
+         "--eval-sequences", "8", "--warmup", "2", "--sample-tokens", "0", "--compress", "fp32"]  # as tiny_config
 
 
 @pytest.mark.parametrize("strategy", [["--strategy", "diloco", "--sync-every", "4"], ["--strategy", "ddp"],

@@ -50,7 +50,8 @@ def test_mlx_lm_example_config_maps_to_ours(tmp_path, capsys):
     c = config_of(tmp_path, MLX_LM_EXAMPLE)
     assert (c.model, c.data, c.seed, c.batch_size, c.grad_checkpoint) == \
         ("mlx_model", "/path/to/training/data", 0, 4, False)
-    assert (c.steps, c.lr, c.seq_len, c.eval_every, c.eval_batches) == (1000, 1e-5, 2048, 200, 25)
+    # val_batches: 25 batches of batch_size 4 = the first 100 held-out examples
+    assert (c.steps, c.lr, c.seq_len, c.eval_every, c.eval_sequences) == (1000, 1e-5, 2048, 200, 100)
     assert isinstance(c.lr, float)  # YAML 1.1 reads 1e-5 as a string; mlx-lm's loader as a number
     assert (c.fine_tune_type, c.num_layers, c.lora_rank, c.lora_scale, c.lora_dropout) == ("lora", 16, 8, 20.0, 0.0)
     assert c.lora_keys == "self_attn.q_proj,self_attn.v_proj"  # lora_parameters.keys, a list there

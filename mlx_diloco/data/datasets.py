@@ -231,12 +231,11 @@ class Dataset:
             return inputs.shape[1]
         return None
 
-    def eval_batches(self, batch_size: int, count: int):
-        """The same `count` validation batches every time (the first examples of the held-out split);
-        smaller batches when the held-out split of a small corpus has fewer than batch-size examples."""
-        batch_size = min(batch_size, len(self.val))
-        n = min(count, len(self.val) // batch_size)
-        return [self.val.get(range(i * batch_size, (i + 1) * batch_size)) for i in range(n)]
+    def eval_batches(self, batch_size: int, sequences: int):
+        """The first `sequences` examples of the held-out split (all of it, if it holds fewer), in
+        batches of `batch_size` (the last one may be smaller): the same examples whatever the batch size."""
+        n = min(sequences, len(self.val))
+        return [self.val.get(range(i, min(i + batch_size, n))) for i in range(0, n, batch_size)]
 
 
 def prepare_text(source: str, seq_len: int, vocab_size: int, tokenizer: str = "", log=print) -> Dataset:

@@ -34,7 +34,7 @@ MODEL = {"type": "llama", "vocab_size": 16, "hidden_size": 64, "intermediate_siz
 # One worker, a schedule of 1,200 steps (which ends at 87% held out), stopped at step 800: a start
 # that writes sums but gets many wrong, so that GRPO and DPO have room.
 SFT = dict(workers=1, strategy="ddp", steps=1200, batch_size=64, lr=3e-3, warmup=50, weight_decay=0.0,
-           mask_prompt=True, seq_len=16, eval_every=100, eval_batches=4)
+           mask_prompt=True, seq_len=16, eval_every=100, eval_sequences=256)
 SFT_STOP = 800
 
 

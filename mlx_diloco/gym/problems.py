@@ -12,7 +12,7 @@ machine that ran it. Exchanges are timed on the problem's link (exchange/network
 from dataclasses import dataclass, field
 
 from ..config import ConfigError
-from ..strategies import STRATEGIES, option_names, strategy_class
+from ..strategies import without_other_options
 
 SIZES = ("cpu", "large")
 
@@ -32,11 +32,7 @@ class Problem:
         if size not in SIZES:
             raise ConfigError(f"size must be one of {', '.join(SIZES)} (got '{size}')")
         settings = {**self.config, **(self.large if size == "large" else {})}
-        if strategy:
-            others = {name for cls in STRATEGIES.values() for name in option_names(cls)}
-            others -= option_names(strategy_class(strategy))
-            settings = {k: v for k, v in settings.items() if k not in others}
-        return settings
+        return without_other_options(settings, strategy) if strategy else settings
 
     def prepared(self, size: str = "cpu", log=print, strategy: str = None) -> dict:
         """The settings, with the paths of the problem's task where it makes its own (once)."""
@@ -52,8 +48,8 @@ def addition(form: str):
 
 
 # What every language-model problem shares: the embedded Shakespeare and a small GPT.
-_SHAKESPEARE = dict(model="small", data="shakespeare", batch_size=16, eval_batches=16, step_time=0.05)
-_LARGE_GPT = dict(model="gpt-10m", seq_len=256, steps=3000, step_time=0.25, eval_batches=32)
+_SHAKESPEARE = dict(model="small", data="shakespeare", batch_size=16, eval_sequences=256, step_time=0.05)
+_LARGE_GPT = dict(model="gpt-10m", seq_len=256, steps=3000, step_time=0.25, eval_sequences=512)
 
 # Post-training on the addition task (gym/addition.py): LoRA on its SFT start, 4 laptops on Wi-Fi.
 # H = 25: at least 20x fewer bytes than DDP's every step, and four outer steps in a run of 100.
@@ -71,8 +67,8 @@ PROBLEMS = {p.name: p for p in [
     Problem("fashion-thunderbolt",
             "a CNN on Fashion-MNIST, 2 Macs on Thunderbolt 4",
             dict(model="cnn", data="fashion-mnist", workers=2, steps=300, batch_size=64, lr=2e-3, warmup=20,
-                 eval_every=50, eval_batches=16, link="tb4", step_time=0.01),
-            target_loss=0.45, large=dict(steps=2000, eval_batches=64)),
+                 eval_every=50, eval_sequences=1024, link="tb4", step_time=0.01),
+            target_loss=0.45, large=dict(steps=2000, eval_sequences=4096)),
     Problem("gpt-wifi-8",
             "the small GPT on Shakespeare, 8 laptops on Wi-Fi",
             dict(_SHAKESPEARE, workers=8, steps=250, link="wifi", eval_every=50),
@@ -88,12 +84,12 @@ PROBLEMS = {p.name: p for p in [
     Problem("addition-grpo",
             "GRPO on 2-3 digit addition from a tiny Llama's SFT start, the exact answer the reward, 4 laptops on Wi-Fi",
             dict(_ADDITION, data="addition/grpo", objective="grpo", steps=100, batch_size=8, group_size=8,
-                 max_completion_length=6, eval_batches=8),
+                 max_completion_length=6, eval_sequences=64),
             target_loss=None, task=addition("grpo")),
     Problem("addition-dpo",
             "DPO on 2-3 digit addition (the right sum chosen, a near miss rejected) from the same SFT start, "
             "4 laptops on Wi-Fi",
-            dict(_ADDITION, data="addition/dpo", objective="dpo", steps=100, batch_size=16, eval_batches=16),
+            dict(_ADDITION, data="addition/dpo", objective="dpo", steps=100, batch_size=16, eval_sequences=256),
             target_loss=None, task=addition("dpo")),
 ]}
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from ..config import ConfigError, TrainConfig
 from ..plot import save_figure, spread_axis, value_axis
 from ..run_folder import latest_step
+from ..strategies import without_other_options
 from . import scorecard
 
 
@@ -53,7 +54,10 @@ def run_sweep(base: dict, points: list, out: Path, train, problem=None, target_l
     (or `target_loss`). Every point's config is checked before the first one trains."""
     from ..training.resolve import resolve
     out = Path(out)
-    configs = [(p, TrainConfig.from_dict({**base, **p})) for p in points]
+    # a point keeps its own strategy's options: a sweep over strategies=diloco,ddp drops H for ddp
+    merged = [{**base, **p} for p in points]
+    configs = [(p, TrainConfig.from_dict(without_other_options(c, c.get("strategy", TrainConfig.strategy))))
+               for p, c in zip(points, merged)]
     for _, config in configs:
         resolve(config)  # and against its model (a preset's name, its context), before anything is written
     out.mkdir(parents=True, exist_ok=True)

@@ -49,6 +49,13 @@ def option_names(cls) -> set:
     return {f.name for f in fields(cls)}
 
 
-__all__ = ["STRATEGIES", "Strategy", "Composite", "option", "make_strategy", "strategy_class",
+def without_other_options(settings: dict, strategy: str) -> dict:
+    """`settings` without the options of strategies other than `strategy` (a problem's H, for DDP;
+    a sweep over strategies: each point keeps its own strategy's)."""
+    others = {name for cls in STRATEGIES.values() for name in option_names(cls)} - option_names(strategy_class(strategy))
+    return {k: v for k, v in settings.items() if k not in others}
+
+
+__all__ = ["STRATEGIES", "Strategy", "Composite", "option", "make_strategy", "strategy_class", "without_other_options",
            "DDP", "FedAvg", "DiLoCo", "SPARTA", "DeMo", "MuLoCo", "SPARTADiLoCo",
            "SparseLoCo", "DESLOC", "Quorum", "NoLoCo"]

@@ -185,8 +185,9 @@ class Run:
         self.samplers = self._samplers(job.num_shards or config.workers)
         if reporter and not resume and (note := oversized_batch(config.batch_size, self.samplers)):
             log(note)
-        self.eval_batches = self.objective.eval_batches(
-            self.workers, self.data.eval_batches(config.batch_size, config.eval_batches))
+        held_out = self.data.eval_batches(config.batch_size, config.eval_sequences)
+        self.eval_examples = sum(len(x) for x, _ in held_out)
+        self.eval_batches = self.objective.eval_batches(self.workers, held_out)
         if parts.loss is not None:  # a user's loss, tried on one batch before the run folder exists
             with memory_limit(config.memory_limit):
                 check_loss(parts.loss, model, *self.eval_batches[0])
@@ -619,7 +620,7 @@ class Run:
             link=self.ledger.link.describe(),
             **{k: last.get(k) for k in ("measured_utilisation", "busy_s", "link_s", "straggler_s", "mfu",
                                         "flops_per_token", "peak_gflops")},
-            peak_memory_bytes=peak, workers_per_process=self.comm.n_local,
+            peak_memory_bytes=peak, workers_per_process=self.comm.n_local, eval_examples=self.eval_examples,
             kernels=kernel_paths().describe(self.config.precision), inner_step=self.workers.describe(),
             **{k: last.get(k) for k in self.objective.summary_keys})
 

@@ -366,9 +366,11 @@ class Workers:
 
     @staticmethod
     def _mean_loss(loss, batches) -> mx.array:
-        """The mean of `loss` over the batches, evaluated batch by batch (one batch's logits at a time)."""
-        total = 0
+        """The mean of `loss` over the batches' examples (each batch's mean weighted by its examples:
+        the same for any batch size), evaluated batch by batch (one batch's logits at a time)."""
+        total, examples = 0, 0
         for x, y in batches:
-            total = total + loss(mx.array(x), tree_map(mx.array, y))
+            total = total + loss(mx.array(x), tree_map(mx.array, y)) * len(x)
+            examples += len(x)
             mx.eval(total)
-        return total / len(batches)
+        return total / examples
