@@ -8,6 +8,7 @@ nothing above them: every other key of a flat config is a strategy option, which
 checks where it is built (training/resolve.py's `resolve`, which turns a config into the run's
 config, strategy and model spec)."""
 
+import math
 import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -74,6 +75,8 @@ class TrainConfig:
                                    "mlx-lm-lora's train_mode")
     beta: float = option(-1.0, "dpo: the loss's beta; orpo: the odds-ratio term's weight (lambda); grpo: the KL "
                                "penalty's weight, 0 for none (-1: TRL's defaults: 0.1, 0.1, 0.0)")
+    rpo_alpha: float = option(0.0, "dpo: weight of an NLL term on the chosen completions (RPO, arXiv 2404.19733; "
+                                   "TRL's rpo_alpha), against DPO unlearning them (0: plain DPO)")
     group_size: int = option(4, "grpo: completions sampled per prompt (TRL's num_generations)")
     max_completion_length: int = option(512, "grpo: the most tokens a sampled completion has")
     temperature: float = option(1.0, "grpo: the sampling temperature (the loss's log-probabilities divide "
@@ -266,6 +269,7 @@ class TrainConfig:
         need(not self.loss or self.objective == "sft", f"loss is the sft objective's; objective {self.objective} "
                                                         "has its own: drop --loss")
         need(self.beta >= 0 or self.beta == -1, f"beta must be >= 0, or -1 for the objective's default (got {self.beta})")
+        need(self.rpo_alpha >= 0 and math.isfinite(self.rpo_alpha), f"rpo-alpha must be a finite number >= 0 (got {self.rpo_alpha})")
         need(self.group_size >= 2, f"group-size must be >= 2: GRPO's advantages compare a prompt's completions "
                                    f"(got {self.group_size})")
         need(self.max_completion_length >= 1, f"max-completion-length must be >= 1 (got {self.max_completion_length})")

@@ -53,6 +53,9 @@ OBJECTIVE = {
     "tokens_trained": "completion tokens trained so far, all workers",
     "reference_s": "time spent on the reference model's log-probabilities so far (mean over workers, s)",
     "eval_pair_accuracy": "held-out pairs whose chosen completion the global model finds likelier than the rejected",
+    "eval_logps_chosen": "the global model's mean log-probability of the held-out chosen completions (summed "
+                         "over each one's tokens): below the start's, the preference is learnt by unlearning the answer",
+    "eval_logps_rejected": "the same for the held-out rejected completions",
     "eval_rewards_chosen": "DPO: mean beta x (policy - reference log-probability) of the held-out chosen completions",
     "eval_rewards_rejected": "DPO: the same for the rejected completions",
     "eval_reward_margin": "DPO: the mean of chosen minus rejected rewards, held out",

@@ -88,18 +88,20 @@ def pair_batch(B=3):
     return RNG.normal(0, 1, (2 * B, T, V)), targets(2 * B, prompt, length)
 
 
-@pytest.mark.parametrize("beta", [0.1, 0.5])
-def test_dpo_loss_and_gradient_match_trl(beta):
+@pytest.mark.parametrize("beta, rpo_alpha", [(0.1, 0.0), (0.5, 0.0), (0.1, 1.0), (0.5, 0.3)])
+def test_dpo_loss_and_gradient_match_trl(beta, rpo_alpha):
     z, y = pair_batch()
     ref = RNG.normal(-8, 2, len(z))  # the reference's summed log-probabilities
 
     def reference(z):
-        lp, _ = np_logps(z, y)
+        lp, mask = np_logps(z, y)
         margin = lp.sum(-1) - ref
         half = len(z) // 2
         delta = margin[:half] - margin[half:]
-        return np.mean(-log_sigmoid(beta * delta))
-    loss = lambda m, x, t: dpo_loss(m, x, {"targets": t["targets"], "ref_logps": t["ref_logps"]}, beta)  # noqa: E731
+        nll = -lp[:half].sum() / mask[:half].sum()  # RPO: the chosen completions' token-mean NLL (TRL's rpo_alpha)
+        return np.mean(-log_sigmoid(beta * delta)) + rpo_alpha * nll
+    loss = lambda m, x, t: dpo_loss(m, x, {"targets": t["targets"], "ref_logps": t["ref_logps"]}, beta,  # noqa: E731
+                                    rpo_alpha)
     check(loss, reference, z, {"targets": mx.array(y), "ref_logps": mx.array(ref.astype(np.float32))}, y == IGNORE)
 
 

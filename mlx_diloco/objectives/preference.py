@@ -24,7 +24,7 @@ def halves(values):
 
 
 class Preference(Objective):
-    summary_keys = ("tokens_trained", "eval_pair_accuracy")
+    summary_keys = ("tokens_trained", "eval_pair_accuracy", "eval_logps_chosen")
 
     def __init__(self, config, model, data, log=print):
         super().__init__(config, model, data, log)
@@ -61,7 +61,9 @@ class Preference(Objective):
         scores = [(np.array(with_params(run.workers, params, lambda m: completion_logps(
             m, mx.array(x), y["targets"])[0].sum(axis=-1))), y) for x, y in run.eval_batches]
         chosen, rejected = (np.concatenate(side) for side in zip(*(halves(s) for s, _ in scores)))
-        return {**row, "eval_pair_accuracy": float(np.mean(chosen > rejected)), **self.held_out_metrics(scores)}
+        return {**row, "eval_pair_accuracy": float(np.mean(chosen > rejected)),
+                "eval_logps_chosen": float(chosen.mean()), "eval_logps_rejected": float(rejected.mean()),
+                **self.held_out_metrics(scores)}
 
     def state(self) -> dict:
         return {"counts": self.counts.state()} if self.counts else {}
