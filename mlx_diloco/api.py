@@ -36,7 +36,7 @@ from .export import global_parameters, trained_model
 from .models.zoo import build_model, load_spec
 from .options import did_you_mean, from_dict
 from .strategies import Strategy, make_strategy
-from .strategies.outer_lr import with_outer_lr
+from .strategies.outer_lr import with_auto_outer
 from .training import checkpoint
 from .training.metrics import MetricsLog
 from .training.processes import choose_processes, run_processes, simulate
@@ -158,9 +158,11 @@ class Trainer:
         as `sim` chooses, where the model can be rebuilt). `callbacks`: TrainingCallbacks that hear
         the run's reports (training/callbacks.py; they keep the run in this process)."""
         workers = self.config.workers if workers is None else workers
-        strategy = with_outer_lr(as_strategy(strategy), workers)  # outer-lr auto: the run records its number
-        config = replace(self.config, workers=workers,
-                         steps=self.config.steps if steps is None else steps, strategy=strategy.name,
+        steps = self.config.steps if steps is None else steps
+        strategy, auto = with_auto_outer(as_strategy(strategy), workers, steps)  # auto: the run records its numbers
+        if auto:
+            self.log(auto.why())
+        config = replace(self.config, workers=workers, steps=steps, strategy=strategy.name,
                          strategy_options=strategy.options())
         config.check_values()  # and against the strategy: where the run gets it (Run, or resolve in processes)
         if self.data_path is not None:

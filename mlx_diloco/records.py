@@ -73,6 +73,8 @@ OBJECTIVE = {
     "generate_s": "GRPO: time spent generating so far (mean over workers, s)",
     "train_s": "GRPO: time spent training so far (mean over workers, s)",
     "eval_accuracy": "GRPO: the share of held-out prompts the global model answers exactly (greedy)",
+    "collapse": "GRPO: '' or why the run is collapsing (held-out accuracy or reward below half their best, the KL "
+                "to the reference above its value then)",
     "eval_reward": "GRPO: the mean reward of the global model's greedy held-out completions",
 }
 
@@ -83,8 +85,6 @@ SUMMARY = {
     "steps": "steps done",
     "parameters": "the model's parameters",
     "final_eval_loss": "the last row's eval_loss",
-    "eval_examples": "the held-out examples every evaluation scores: the first ones of the held-out split, "
-                     "the same whatever the batch size, worker count or strategy (--eval-sequences)",
     "tokens": ROW["tokens"],
     "examples": ROW["examples"],
     "tokens_per_shard": ROW["tokens_per_shard"],
@@ -105,6 +105,8 @@ SUMMARY = {
     "peak_gflops": ROW["peak_gflops"],
     "peak_memory_bytes": "the run's peak memory, over its processes and resumes",
     "workers_per_process": ROW["workers_per_process"],
+    "eval_examples": "the held-out examples every evaluation scores: the first ones of the held-out split, "
+                     "the same whatever the batch size, worker count or strategy (--eval-sequences)",
     "kernels": "what the model ran on (models/kernels.py)",
     "inner_step": "how the inner step ran (vmapped, compiled)",
 }

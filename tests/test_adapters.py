@@ -135,7 +135,7 @@ def test_a_lora_run_writes_its_global_adapters_that_mlx_lm_loads(base, tmp_path)
     from mlx_diloco.training.run import Run
     (tmp_path / "text.txt").write_text("the user asks and the assistant answers the question\n" * 200)
     config = tiny_config(model=str(base), data=str(tmp_path / "text.txt"), fine_tune_type="lora", num_layers=1,
-                         steps=4, sync_every=2, batch_size=2, eval_batches=1, lr=1e-2)
+                         steps=4, sync_every=2, batch_size=2, eval_sequences=2, lr=1e-2)
     Run(config, tmp_path / "run", SimCommunicator(2), log=lambda m: None).train()
 
     arrays, meta = checkpoint.load(tmp_path / "run")

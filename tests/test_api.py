@@ -44,7 +44,7 @@ def test_fit_any_model_with_any_strategy(tmp_path, strategy):
     mx.random.seed(0)
     x, y = blobs()
     result = Trainer(MLP(), loss_fn, (x[:1000], y[:1000]), (x[1000:], y[1000:]), batch_size=16, lr=3e-3,
-                     warmup=5, eval_batches=4, run_dir=tmp_path / "run", log=lambda m: None).fit(
+                     warmup=5, eval_sequences=64, run_dir=tmp_path / "run", log=lambda m: None).fit(
         strategy, workers=4, steps=100)
     assert result.metrics[-1]["eval_loss"] < 0.5 * result.metrics[0]["eval_loss"]
     accuracy = (mx.argmax(result.model(mx.array(x[1000:])), axis=1) == mx.array(y[1000:])).mean().item()
@@ -56,7 +56,7 @@ def test_fit_any_model_with_any_strategy(tmp_path, strategy):
 def test_iterable_batches_and_resume(tmp_path):
     x, y = blobs()
     batches = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 1000, 8)]
-    settings = dict(lr=3e-3, warmup=5, eval_batches=4, log=lambda m: None)
+    settings = dict(lr=3e-3, warmup=5, eval_sequences=64, log=lambda m: None)
     model = MLP()  # every fit starts from a copy of it
     straight = Trainer(model, loss_fn, batches, (x[1000:], y[1000:]), **settings).fit(
         DiLoCo(sync_every=5), workers=2, steps=20, run_dir=tmp_path / "a")
@@ -96,7 +96,7 @@ def test_a_model_mlx_cannot_vmap_trains_one_replica_after_another(tmp_path):
     x, y = blobs(400)
     images = np.repeat(x[:, None, :, None], 8, axis=1)  # (n, 8, 8, 1)
     said = []
-    result = Trainer(Windows(), loss_fn, (images, y), batch_size=8, lr=1e-2, warmup=2, eval_batches=2,
+    result = Trainer(Windows(), loss_fn, (images, y), batch_size=8, lr=1e-2, warmup=2, eval_sequences=16,
                      run_dir=tmp_path / "r", log=said.append).fit(DiLoCo(sync_every=4), workers=2, steps=8)
     assert sum("cannot be vmapped" in m for m in said) == 1 and result.metrics[-1]["step"] == 8
 
@@ -109,7 +109,7 @@ def test_a_convolutional_model_trains_vmapped_as_one_replica_after_another(tmp_p
     said, finals = [], []
     for vectorize in (True, False):
         mx.random.seed(0)
-        trainer = Trainer(ConvNet(), loss_fn, (images, y), batch_size=8, lr=1e-2, warmup=2, eval_batches=2,
+        trainer = Trainer(ConvNet(), loss_fn, (images, y), batch_size=8, lr=1e-2, warmup=2, eval_sequences=16,
                           run_dir=tmp_path / f"v{vectorize}", log=said.append, vectorize=vectorize)
         finals.append(trainer.fit(DiLoCo(sync_every=4), workers=2, steps=8).metrics[-1]["eval_loss"])
     assert not any("cannot be vmapped" in m for m in said)
@@ -121,7 +121,7 @@ def test_a_new_strategy_in_one_short_file(tmp_path):
     from outer_adam import OuterAdam
     assert len((ROOT / "examples" / "outer_adam.py").read_text().splitlines()) < 40
     x, y = blobs()
-    result = Trainer(MLP(), loss_fn, (x, y), lr=1e-2, warmup=5, eval_batches=4, run_dir=tmp_path / "r",
+    result = Trainer(MLP(), loss_fn, (x, y), lr=1e-2, warmup=5, eval_sequences=64, run_dir=tmp_path / "r",
                      log=lambda m: None).fit(OuterAdam(sync_every=10), workers=2, steps=60)
     assert result.metrics[-1]["eval_loss"] < 0.5 * result.metrics[0]["eval_loss"]
     with pytest.raises(ConfigError, match="did you mean 'outer_beta2'"):
@@ -172,7 +172,7 @@ def test_a_rebuildable_model_trains_in_processes_like_in_one(tmp_path, monkeypat
     x, y = blobs()
     said = []
     trainer = Trainer("blobmodels:mlp", blobmodels.loss, (x[:1000], y[:1000]), (x[1000:], y[1000:]), lr=3e-3,
-                      warmup=5, eval_batches=4, log=said.append)
+                      warmup=5, eval_sequences=64, log=said.append)
     fits = [trainer.fit(DiLoCo(sync_every=10, compress="fp32"), workers=4, steps=30, processes=K,
                         run_dir=tmp_path / f"k{K}") for K in (1, 2)]
     assert any("in 2 processes" in m for m in said)
@@ -183,7 +183,7 @@ def test_a_rebuildable_model_trains_in_processes_like_in_one(tmp_path, monkeypat
     np.testing.assert_allclose(np.array(fits[1].model(probe)), np.array(fits[0].model(probe)), rtol=1e-3, atol=1e-4)
     said.clear()
     for _ in range(2):
-        Trainer(MLP(), loss_fn, (x, y), eval_batches=2, log=said.append).fit(DiLoCo(sync_every=5), workers=2,
+        Trainer(MLP(), loss_fn, (x, y), eval_sequences=32, log=said.append).fit(DiLoCo(sync_every=5), workers=2,
                                                                               steps=5, processes=2)
     assert sum("training in one process: the model is an object" in m for m in said) == 2  # asked for: each time
 
@@ -192,7 +192,7 @@ def test_a_trainer_takes_any_config_key_and_names_a_wrong_one(tmp_path):
     """Issue 21: the Trainer's settings are the config's keys (precision, seq_len, ... too), sim's
     defaults for the rest; a wrong name or type is one line."""
     x, y = blobs(200)
-    result = Trainer(MLP(), loss_fn, (x, y), lr=1e-2, warmup=2, eval_batches=2, precision="bf16",
+    result = Trainer(MLP(), loss_fn, (x, y), lr=1e-2, warmup=2, eval_sequences=32, precision="bf16",
                      moments_precision="bf16", run_dir=tmp_path / "r", log=lambda m: None).fit(
         DiLoCo(sync_every=2), workers=2, steps=4)
     assert {v.dtype for _, v in tree_flatten(result.model.parameters())} == {mx.bfloat16}
@@ -219,6 +219,6 @@ def test_fit_passes_callbacks_to_the_run(tmp_path):
 
     x, y = blobs(200)
     heard = Heard()
-    result = Trainer(MLP(), loss_fn, (x, y), warmup=2, eval_batches=2, run_dir=tmp_path / "r", log=lambda m: None).fit(
+    result = Trainer(MLP(), loss_fn, (x, y), warmup=2, eval_sequences=32, run_dir=tmp_path / "r", log=lambda m: None).fit(
         DiLoCo(sync_every=2), workers=2, steps=4, callbacks=[heard])
     assert heard.train == [1, 2, 3, 4] and heard.val == [r["step"] for r in result.metrics] == [0, 2, 4]

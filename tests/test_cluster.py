@@ -272,7 +272,7 @@ def test_lora_on_chat_jsonl_through_launch_trains_like_sim(cluster, tmp_path):
         (tmp_path / "chat" / f"{split}.jsonl").write_text("".join(json.dumps(chat(i)) + "\n" for i in numbers))
     config = TrainConfig.from_dict(dict(model=str(model), data=str(tmp_path / "chat"), fine_tune_type="lora",
                                         num_layers=2, lora_rank=4, mask_prompt=True, seq_len=64, batch_size=4,
-                                        workers=3, steps=8, sync_every=4, warmup=0, lr=1e-2, eval_batches=1,
+                                        workers=3, steps=8, sync_every=4, warmup=0, lr=1e-2, eval_sequences=4,
                                         compress="fp32"))
     run_dir = tmp_path / "run"
     finish(launch(config, run_dir))

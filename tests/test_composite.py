@@ -34,7 +34,7 @@ OLD_SPARTA_DILOCO = {
 def test_the_composed_sparta_diloco_gives_the_old_numbers(tmp_path, case):
     options, old = OLD_SPARTA_DILOCO[case]
     config = tiny_config(**{"strategy": "sparta-diloco", "fraction": 0.05, "compress": "fp32",
-                            "outer_lr": 0.7, **options})  # the default then
+                            "outer_lr": 0.7, "outer_momentum": 0.9, **options})  # the defaults then
     summary = Run(config, tmp_path / "r", SimCommunicator(2), log=lambda m: None).train()
     assert summary["final_eval_loss"] == pytest.approx(old, rel=BLAS_REL)
 
@@ -133,7 +133,8 @@ def test_outer_adam_is_adam_on_the_mean_pseudo_gradient(offload):
 
 def test_outer_sgd_is_heavy_ball_momentum():
     lr, mu = 0.7, 0.9
-    seen, got = outer_steps(DiLoCo(sync_every=1, outer_optimizer="sgd", outer_lr=lr, compress="fp32"), 3)
+    seen, got = outer_steps(DiLoCo(sync_every=1, outer_optimizer="sgd", outer_lr=lr, outer_momentum=mu,
+                                   compress="fp32"), 3)
     theta, velocity = initial(), np.zeros(6)
     for t, local in enumerate(seen):
         velocity = mu * velocity + (theta[None] - local).mean(axis=0)

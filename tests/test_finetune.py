@@ -42,7 +42,7 @@ def quantized(tmp_path_factory):
 def lora_config(model, **overrides):
     return TrainConfig.from_dict({"model": str(model), "fine_tune_type": "lora", "num_layers": 2,
                                   "lora_rank": RANK, "seq_len": 16, "batch_size": 4, "workers": 2, "steps": 8,
-                                  "warmup": 2, "eval_batches": 1, "lr": 1e-2, **overrides})
+                                  "warmup": 2, "eval_sequences": 4, "lr": 1e-2, **overrides})
 
 
 def adapter_count(layers: int, rank: int = RANK) -> int:

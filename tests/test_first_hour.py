@@ -84,7 +84,7 @@ def test_small_corpus_trains(tmp_path):
     words = "the quick brown fox jumps over the lazy dog and then it sleeps in the warm sun while birds sing".split()
     rng = np.random.default_rng(0)
     (tmp_path / "small.txt").write_text(" ".join(rng.choice(words, 2000)))  # about 10 kB
-    config = tiny_config(data=str(tmp_path / "small.txt"), batch_size=16, eval_batches=8, steps=4)
+    config = tiny_config(data=str(tmp_path / "small.txt"), batch_size=16, eval_sequences=128, steps=4)
     assert Run(config, tmp_path / "r", SimCommunicator(2), **QUIET).train()["final_eval_loss"] > 0
 
 

@@ -17,7 +17,7 @@ from mlx_diloco.training.metrics import MetricsLog
 from mlx_diloco.training.resolve import resolve
 from mlx_diloco.training.run import Run
 
-TINY = dict(model="tiny", seq_len=16, batch_size=4, eval_batches=2, warmup=2)
+TINY = dict(model="tiny", seq_len=16, batch_size=4, eval_sequences=8, warmup=2)
 TINY_FLAGS = ["--model", "tiny", "--seq-len", "16", "--batch-size", "4", "--eval-sequences", "8", "--warmup", "2"]
 
 

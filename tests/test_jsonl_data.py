@@ -99,7 +99,7 @@ def test_text_records_train_every_token_after_the_first(tmp_path, model_dir):
 @pytest.mark.parametrize("kind,mask_prompt", [("text", False), ("chat", True), ("completions", False)])
 def test_each_format_trains_with_diloco(tmp_path, model_dir, kind, mask_prompt):
     config = TrainConfig.from_dict(dict(model=str(model_dir), data=str(data_folder(tmp_path, kind)), seq_len=64,
-                                        batch_size=4, workers=2, steps=8, sync_every=4, eval_batches=2,
+                                        batch_size=4, workers=2, steps=8, sync_every=4, eval_sequences=8,
                                         lr=3e-3, warmup=0, mask_prompt=mask_prompt))
     run = Run(config, tmp_path / "run", SimCommunicator(2), **QUIET)
     assert run.workers.loss_fn is masked_cross_entropy
@@ -217,7 +217,7 @@ def test_worker_processes_trained_from_shards_evaluate_as_sim(tmp_path, model_di
     from mlx_diloco.worker_job import WorkerJob
     config = TrainConfig.from_dict(dict(model=str(model_dir), data=str(data_folder(tmp_path, "completions")),
                                         seq_len=64, batch_size=4, workers=2, steps=8, sync_every=4,
-                                        eval_batches=2, lr=3e-3, warmup=0, mask_prompt=True, compress="fp32"))
+                                        eval_sequences=8, lr=3e-3, warmup=0, mask_prompt=True, compress="fp32"))
     Run(config, tmp_path / "sim", SimCommunicator(2), **QUIET).train()
     cut_shards(config, 2, tmp_path / "shards", **QUIET)
     hostfile = tmp_path / "hosts.json"

@@ -32,7 +32,7 @@ HAVE_FASHION_MNIST = any(is_fashion_mnist_folder(p) for p in fashion_mnist_place
 @pytest.mark.skipif(not HAVE_FASHION_MNIST, reason="needs Fashion-MNIST (Debian: dataset-fashion-mnist)")
 def test_cnn_learns_fashion_mnist(tmp_path):
     config = TrainConfig.from_dict(dict(model="cnn", data="fashion-mnist", workers=2, steps=30, sync_every=10,
-                                        batch_size=32, warmup=5, eval_batches=4))
+                                        batch_size=32, warmup=5, eval_sequences=128))
     run = Run(config, tmp_path / "cnn", SimCommunicator(2), log=lambda m: None)
     summary = run.train()
     first = float(__import__("json").loads((tmp_path / "cnn" / "metrics.jsonl").read_text().splitlines()[0])["eval_loss"])

@@ -152,7 +152,7 @@ def test_a_loss_that_is_not_a_float_scalar_is_one_line_before_the_run_folder(tmp
 
 def test_fit_takes_a_strategy_or_its_name(tmp_path):
     x, y = np.random.default_rng(0).normal(size=(64, 8)).astype(np.float32), np.arange(64) % 3
-    trainer = Trainer(MLP(), mean_loss, (x, y), batch_size=4, eval_batches=2, log=lambda m: None)
+    trainer = Trainer(MLP(), mean_loss, (x, y), batch_size=4, eval_sequences=8, log=lambda m: None)
     result = trainer.fit("diloco", workers=2, steps=4, run_dir=tmp_path / "r")
     assert result.summary["strategy"] == "diloco" and result.metrics[-1]["step"] == 4
     with pytest.raises(ConfigError, match=r"not the class DiLoCo; write DiLoCo\(\)"):

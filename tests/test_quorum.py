@@ -72,7 +72,7 @@ def drive(init, updates, speeds, H, K, grace, T, nan_at=None, until=None):
     """The strategy through SimCommunicator on a one-array "model", each worker stepping as above
     (`until`: stop after that tick of a run of T)."""
     M = len(speeds)
-    strategy = Quorum(sync_every=H, quorum=K, grace_steps=grace, outer_lr=0.7, compress="fp32").bind(SimCommunicator(M), T)
+    strategy = Quorum(sync_every=H, quorum=K, grace_steps=grace, outer_lr=0.7, outer_momentum=0.9, compress="fp32").bind(SimCommunicator(M), T)
     strategy.setup({"w": mx.array(init)})
     strategy.steps_taken = taken = Speeds(tuple(speeds), "time").steps_taken
     params, globals_ = {"w": mx.array(np.stack([init] * M))}, []
@@ -204,7 +204,7 @@ def test_two_processes_over_the_ring_train_like_one(tmp_path):
     MLX's ring; the slow Mac sends zeros at the outer steps it is not part of (5, 10, 15), and its
     pseudo-gradient, three outer steps stale, at the last (16). (One process stepping no worker at a tick would count
     its inner optimizer's steps apart from the simulator's: here each process always steps one.)"""
-    flags = dict(model="tiny", seq_len=16, batch_size=4, steps=16, eval_batches=2, warmup=2, sample_tokens=0,
+    flags = dict(model="tiny", seq_len=16, batch_size=4, steps=16, eval_sequences=8, warmup=2, sample_tokens=0,
                  compress="fp32", strategy="quorum", sync_every=4, grace_steps=1, workers=4,
                  worker_speeds="1,1,1,0.25", speed_policy="time")
     out = run_cli("sim", *[a for k, v in flags.items() for a in (f"--{k.replace('_', '-')}", v)],

@@ -32,7 +32,7 @@ from ..exchange.worker_axis import replica
 from ..models.precision import random_word, round_bf16_stochastically
 from ..options import AUTO, ConfigError, checked_value, did_you_mean, option  # noqa: F401 (option: strategies import it from here)
 from ..schedule import SyncSchedule
-from .outer_lr import auto_outer_lr
+from .outer_lr import ADAM_BETA1, auto_fields, choose, is_adam
 
 
 def lr_schedule(config, peak: float = None):
@@ -164,11 +164,16 @@ class Strategy:
 
     # ---- the run
     def bind(self, comm, steps: int):
-        """The communicator, and the run's step count (a run always ends synced). An outer-lr
-        still 'auto' (a strategy made by hand, not through a config) gets its number for this job."""
+        """The communicator, and the run's step count (a run always ends synced). An outer lr or
+        momentum still 'auto' (a strategy made by hand, not through a config) gets its number for this job."""
         self.comm, self.steps = comm, steps
-        if getattr(self, "outer_lr", None) == AUTO:
-            self.outer_lr = auto_outer_lr(comm.num_workers, self.sync_every)
+        if auto_fields(self) and is_adam(self):
+            self.outer_momentum = ADAM_BETA1
+        elif auto_fields(self):
+            choice = choose(comm.num_workers, self.sync_every, steps, getattr(self, "ddp_warmup_steps", 0),
+                            self.outer_momentum)
+            self.outer_lr = choice.lr if self.outer_lr == AUTO else self.outer_lr
+            self.outer_momentum = choice.momentum
         return self
 
     def check_model(self, spec, adapted_blocks: int = None):

@@ -22,7 +22,7 @@ from ..exchange.worker_axis import placeholders
 from ..options import AUTO, ConfigError, NumberOrAuto
 from .base import Strategy, mean_gradients, option
 from .fragments import Fragment, gather, global_tree, offload_folder, partition
-from .outer_lr import auto_help, check_outer_lr
+from .outer_lr import MOMENTUM_HELP, auto_help, check_outer
 
 
 OUTER_OPTIMIZERS = {  # the outer optimizer by name, from its learning rate and momentum
@@ -53,7 +53,7 @@ class DiLoCo(Strategy):
     outer_optimizer: str = option("nesterov", f"the outer step: {', '.join(OUTER_OPTIMIZERS)} "
                                               "(adam takes lr-sized steps: pass an outer-lr near 0.05)")
     outer_lr: NumberOrAuto = option(AUTO, auto_help())
-    outer_momentum: float = option(0.9, "outer momentum: Nesterov's, heavy-ball SGD's, Adam's beta1 (0: plain SGD)")
+    outer_momentum: NumberOrAuto = option(AUTO, MOMENTUM_HELP)
     compress: str = option("fp16", "codec of the pseudo-gradients (scales counted in the bytes)")
     error_feedback: bool = option(False, "add what compression lost to the next pseudo-gradient")
     fragments: int = option(1, "P: fragments of the model, each synced every H steps at its own offset")
@@ -69,8 +69,7 @@ class DiLoCo(Strategy):
         self.require(self.outer_optimizer in OUTER_OPTIMIZERS, f"outer-optimizer must be one of "
                      f"{', '.join(OUTER_OPTIMIZERS)} (got '{self.outer_optimizer}')")
         self.require(self.sync_every >= 1, f"sync-every (H) must be >= 1 (got {self.sync_every})")
-        check_outer_lr(self)
-        self.require(0 <= self.outer_momentum < 1, f"outer-momentum must be in [0, 1) (got {self.outer_momentum})")
+        check_outer(self)
         self.require(self.fragments >= 1, f"fragments must be >= 1 (got {self.fragments})")
         self.require(self.fragment_order in ("strided", "sequential"),
                      f"fragment-order must be strided or sequential (got '{self.fragment_order}')")

@@ -1,58 +1,126 @@
-"""`--outer-lr auto`: DiLoCo's outer learning rate from the number of workers M and the sync
-period H, by the rule bench/scaling_table.py measured (docs/results.md, "Table 4 at our scale").
+"""`--outer-lr auto` and `--outer-momentum auto`: the outer step fitted to the run, from the number
+of workers M, the sync period H and the outer steps the run will take, N = (steps - K) / H (each
+fragment of Streaming DiLoCo takes N of its own; K: DDP warmup steps).
 
-The DiLoCo scaling-law paper (arXiv 2503.09799, Figures 7 and 8a) finds the best outer lr
-independent of model size, and rising with M and with H: at 35M, 0.6 / 0.6 / 0.6 / 1.0 for
-M = 1 / 2 / 4 / 8 at H = 30. The rule keeps that form (a non-decreasing table by M at H = 30, a
-power of H / 30) with the values fitted to our measurements; a worker count between the measured
-ones takes the next measured M up, one past 8 takes 8's (neither the paper nor we measured more),
-and the result stays in the swept range.
+bench/outer_grid.py measured, at `tiny` against data-parallel at the same tokens, the best outer lr
+and Nesterov momentum for M = 1, 4, 8, H = 5 to 100 and N = 11 to 330 (docs/results.md, "Outer
+settings that fit the run"). The rule reads that grid: the measured M at or above the run's (past
+the largest, the largest), the measured N nearest in log (outside the measured range the nearest
+end, and the start line says so). Its numbers are the momentum mu and the momentum-adjusted lr
+eta = lr / (1 - mu), what an outer step moves once the momentum is warm (Khaled et al., arXiv
+2509.10439); lr = eta (1 - mu). A strategy that fixes its momentum (MuLoCo's 0.6, its authors')
+or given one by hand keeps it, and auto's lr keeps the measured eta: lr = eta (1 - that momentum).
 """
+
+import math
+from dataclasses import dataclass
 
 from ..options import AUTO
 
-MEASURED_H = 30
-# bench/scaling_table.py (tiny at 20 tokens per parameter, Nesterov 0.9, H = 30) measured the best
-# outer lr 0.6 / 0.4 / 0.6 / 0.6 at M = 1 / 2 / 4 / 8, each an interior optimum of the paper's grid
-# {0.2, ..., 1.0}. Non-decreasing in M, as the paper's trend, the fit is 0.6 throughout: at M = 2
-# it costs 0.5% eval loss against 0.4 (3.7230 vs 3.7032), where 0.4 at M = 1 would cost 0.7%.
-BEST_AT_H30 = {1: 0.6, 2: 0.6, 4: 0.6, 8: 0.6}
-# The best at H = 50 (M = 4: 0.6 of 0.4 / 0.6 / 0.8) is H = 30's: no rise with H measured here.
-H_EXPONENT = 0.0
-SWEPT = (0.2, 1.0)  # the range measured: the rule does not extrapolate past it
+# bench/outer_grid.py (tiny, 20 tokens per parameter and a third and three times that, one seed):
+# the best (eta, mu) at each measured M and N, N the outer steps of the run.
+MEASURED_N = (11, 55, 165, 330)
+BEST = {  # M: ((eta, mu) at each of MEASURED_N)
+    1: ((1.0, 0.0), (1.0, 0.0), (1.0, 0.0), (1.0, 0.0)),
+    4: ((1.41, 0.5), (1.41, 0.5), (1.41, 0.5), (1.41, 0.5)),
+    8: ((1.41, 0.5), (1.41, 0.5), (1.41, 0.5), (1.41, 0.5)),
+}
+MEASURED_H = (5, 100)
 
 
-def auto_outer_lr(workers: int, sync_every: int) -> float:
-    """The outer lr `auto` gives for M = `workers` and H = `sync_every`, to two decimals."""
-    M = min((m for m in BEST_AT_H30 if m >= workers), default=max(BEST_AT_H30))
-    return round(min(max(BEST_AT_H30[M] * (sync_every / MEASURED_H) ** H_EXPONENT, SWEPT[0]), SWEPT[1]), 2)
+@dataclass(frozen=True)
+class OuterChoice:
+    """What auto chose for a run, and why: the start line and the run's records say it."""
+    lr: float
+    momentum: float
+    workers: int
+    sync_every: int
+    outer_steps: float
+    measured_at: tuple  # (M, N) of the grid cell it took
+
+    def why(self) -> str:
+        M, N = self.measured_at
+        line = (f"outer lr {self.lr:g} and momentum {self.momentum:g} by auto: M={self.workers}, H={self.sync_every}, "
+                f"{self.outer_steps:.0f} outer steps (measured best at M={M}, {N} outer steps; "
+                "strategies/outer_lr.py)")
+        outside = []
+        if not MEASURED_N[0] / 1.5 <= self.outer_steps <= MEASURED_N[-1] * 1.5:
+            outside.append(f"{self.outer_steps:.0f} outer steps")
+        if self.workers > max(BEST):
+            outside.append(f"M={self.workers}")
+        if not MEASURED_H[0] <= self.sync_every <= MEASURED_H[-1]:
+            outside.append(f"H={self.sync_every}")
+        if outside:
+            line += (f"; {' and '.join(outside)} outside the measured range (M {min(BEST)}-{max(BEST)}, "
+                     f"H {MEASURED_H[0]}-{MEASURED_H[-1]}, {MEASURED_N[0]}-{MEASURED_N[-1]} outer steps): "
+                     "the nearest measured cell's choice")
+        return line
+
+
+def auto_outer(workers: int, sync_every: int, steps: int, warmup_steps: int = 0) -> tuple:
+    """(outer lr, momentum) auto gives a run of `steps` inner steps (`warmup_steps` of them DDP)."""
+    choice = choose(workers, sync_every, steps, warmup_steps)
+    return choice.lr, choice.momentum
+
+
+def choose(workers: int, sync_every: int, steps: int, warmup_steps: int = 0, momentum=AUTO) -> OuterChoice:
+    """The grid's cell for the run and what it gives; a fixed `momentum` keeps the cell's eta."""
+    outer_steps = max(steps - warmup_steps, 1) / max(sync_every, 1)  # H 0: sparta-diloco without its outer step
+    M = min((m for m in BEST if m >= workers), default=max(BEST))
+    i = min(range(len(MEASURED_N)), key=lambda j: abs(math.log(MEASURED_N[j] / max(outer_steps, 1))))
+    eta, mu = BEST[M][i]
+    mu = mu if momentum == AUTO else momentum
+    return OuterChoice(round(eta * (1 - mu), 3), mu, workers, sync_every, outer_steps, (M, MEASURED_N[i]))
 
 
 def auto_help() -> str:
-    """What `auto` gives, for a strategy's --help."""
-    at = ", ".join(f"M={m}: {auto_outer_lr(m, MEASURED_H):g}" for m in BEST_AT_H30)
-    return (f"outer learning rate, or {AUTO}: from M and H by the rule bench/scaling_table.py measured "
-            f"(strategies/outer_lr.py): {at} at H = {MEASURED_H}, times (H/{MEASURED_H})**{H_EXPONENT:g}")
+    """What `auto` gives, for the strategies' --help."""
+    return ("outer learning rate, or auto: from M, H and the run's outer steps by the grid bench/outer_grid.py "
+            "measured (strategies/outer_lr.py); the start line says what it chose and why")
 
 
-def check_outer_lr(strategy):
-    """Its outer-lr's range: a number > 0, or auto, a rule for the momentum optimizers' steps (not
-    for Adam's, which are about the lr per value whatever the pseudo-gradient's size)."""
-    lr = strategy.outer_lr
+MOMENTUM_HELP = ("outer momentum (Nesterov's, heavy-ball SGD's, Adam's beta1; 0: plain SGD), or auto: with "
+                 "--outer-lr, from M, H and the run's outer steps (strategies/outer_lr.py)")
+
+
+def check_outer(strategy):
+    """Its outer lr's and momentum's ranges: numbers (lr > 0, momentum in [0, 1)) or auto, a rule
+    for the momentum optimizers' steps (not for Adam's, which are about the lr per value whatever
+    the pseudo-gradient's size)."""
+    lr, mu = strategy.outer_lr, strategy.outer_momentum
     strategy.require(lr == AUTO or lr > 0, f"outer-lr must be > 0 or {AUTO} (got {lr})")
-    strategy.require(lr != AUTO or getattr(strategy, "outer_optimizer", "") != "adam",
-                     f"outer-lr {AUTO} is the rule for nesterov and sgd; with outer-optimizer adam pass a number "
-                     "near the pseudo-gradients' size, e.g. --outer-lr 0.05")
+    strategy.require(mu == AUTO or 0 <= mu < 1, f"outer-momentum must be in [0, 1) or {AUTO} (got {mu})")
+    strategy.require(lr != AUTO or not is_adam(strategy), f"outer-lr {AUTO} is the rule for nesterov and sgd; with "
+                     "outer-optimizer adam pass a number near the pseudo-gradients' size, e.g. --outer-lr 0.05")
 
 
-def with_outer_lr(strategy, workers: int):
-    """`strategy`, or where its outer-lr is 'auto' the same strategy with the number auto gives for
-    `workers` (a new one: a composite builds its parts from its options)."""
-    if getattr(strategy, "outer_lr", None) != AUTO:
-        return strategy
-    return type(strategy)(**{**strategy.options(), "outer_lr": auto_outer_lr(workers, strategy.sync_every)})
+def is_adam(strategy) -> bool:
+    return getattr(strategy, "outer_optimizer", "") == "adam"
 
 
-# The outer lr of diloco, muloco, sparta-diloco and quorum before auto (issue 39). Their runs
-# recorded only the options given; the runs started since record auto's number.
-DEFAULT_BEFORE_AUTO = 0.7
+ADAM_BETA1 = 0.9  # what momentum auto is for an outer Adam: its usual beta1, as before auto
+
+
+def auto_fields(strategy) -> list:
+    return [k for k in ("outer_lr", "outer_momentum") if getattr(strategy, k, None) == AUTO]
+
+
+def with_auto_outer(strategy, workers: int, steps: int):
+    """(strategy, choice): `strategy` as given and None, or, where its outer lr or momentum is auto, the
+    same strategy with the numbers auto gives (a new one: a composite builds its parts from its
+    options) and what it chose."""
+    if not auto_fields(strategy):
+        return strategy, None
+    if is_adam(strategy):  # its lr is given (check_outer); its momentum is Adam's beta1
+        return type(strategy)(**{**strategy.options(), "outer_momentum": ADAM_BETA1}), None
+    choice = choose(workers, strategy.sync_every, steps, getattr(strategy, "ddp_warmup_steps", 0),
+                    strategy.outer_momentum)
+    given = {k: v for k, v in (("outer_lr", strategy.outer_lr),) if v != AUTO}
+    chosen = {"outer_lr": choice.lr, "outer_momentum": choice.momentum, **given}
+    return type(strategy)(**{**strategy.options(), **chosen}), choice
+
+
+# What runs saved before auto trained with, where they left the option to its default: the outer lr
+# of diloco, muloco, sparta-diloco and quorum before issue 39, their momentum before issue 44. Those
+# runs recorded only the options given; runs since record auto's numbers.
+DEFAULT_BEFORE_AUTO = {"outer_lr": 0.7, "outer_momentum": 0.9}

@@ -41,7 +41,7 @@ from ..exchange.worker_axis import placeholders
 from ..options import AUTO, NumberOrAuto
 from .base import Strategy, option
 from .diloco import OUTER_OPTIMIZERS, outer_state_copies
-from .outer_lr import auto_help, check_outer_lr
+from .outer_lr import MOMENTUM_HELP, auto_help, check_outer
 from .fragments import OuterStore, gather, global_tree, partition, scatter
 
 
@@ -119,7 +119,7 @@ class Quorum(Strategy):
     outer_optimizer: str = option("nesterov", f"the outer step: {', '.join(OUTER_OPTIMIZERS)} "
                                               "(adam takes lr-sized steps: pass an outer-lr near 0.05)")
     outer_lr: NumberOrAuto = option(AUTO, auto_help())
-    outer_momentum: float = option(0.9, "outer momentum: Nesterov's, heavy-ball SGD's, Adam's beta1 (0: plain SGD)")
+    outer_momentum: NumberOrAuto = option(AUTO, MOMENTUM_HELP)
     compress: str = option("fp16", "codec of the pseudo-gradients (scales counted in the bytes)")
 
     def check(self):
@@ -130,8 +130,7 @@ class Quorum(Strategy):
         self.require(self.quorum >= 0, f"quorum (K) must be >= 0 (got {self.quorum})")
         self.require(self.grace_steps >= -1, f"grace-steps must be >= 0, or -1 for H/10 (got {self.grace_steps})")
         self.require(self.staleness_exponent >= 0, f"staleness-exponent must be >= 0 (got {self.staleness_exponent})")
-        check_outer_lr(self)
-        self.require(0 <= self.outer_momentum < 1, f"outer-momentum must be in [0, 1) (got {self.outer_momentum})")
+        check_outer(self)
 
     def label(self) -> str:
         return f"{super().label()} K={self.quorum or 'M-1'}"

@@ -15,7 +15,7 @@ from ..models.zoo import build_model, import_builder, load_spec
 from ..objectives import check_model as check_objective_model
 from ..options import AUTO
 from ..strategies import make_strategy, strategy_class
-from ..strategies.outer_lr import DEFAULT_BEFORE_AUTO, with_outer_lr
+from ..strategies.outer_lr import DEFAULT_BEFORE_AUTO, with_auto_outer
 from . import checkpoint
 
 
@@ -28,12 +28,12 @@ def saved_config(run_dir: Path) -> TrainConfig:
 
 
 def as_it_ran(config: TrainConfig) -> TrainConfig:
-    """A saved run's config, its outer lr as the run trained with it: one saved before outer-lr
-    auto that left it to its default trained with DEFAULT_BEFORE_AUTO, and resumes with it."""
-    default = next((f.default for f in fields(strategy_class(config.strategy)) if f.name == "outer_lr"), None)
-    if default != AUTO or "outer_lr" in config.strategy_options:
-        return config
-    return replace(config, strategy_options={**config.strategy_options, "outer_lr": DEFAULT_BEFORE_AUTO})
+    """A saved run's config, its outer lr and momentum as the run trained with them: one saved
+    before auto that left them to their defaults trained with DEFAULT_BEFORE_AUTO's, and resumes so."""
+    defaults = {f.name: f.default for f in fields(strategy_class(config.strategy))}
+    before = {k: v for k, v in DEFAULT_BEFORE_AUTO.items()
+              if defaults.get(k) == AUTO and k not in config.strategy_options}
+    return replace(config, strategy_options={**config.strategy_options, **before}) if before else config
 
 
 @dataclass
@@ -51,9 +51,12 @@ def resolve(config: TrainConfig) -> Resolved:
     its number), with its strategy and model spec, each checked against the others. The strategy
     first: a misspelled option is the first thing said, before a model or data is looked for."""
     strategy = make_strategy(config.strategy, config.strategy_options)  # its options: names, types, ranges
-    if (resolved := with_outer_lr(strategy, config.workers)) is not strategy:  # recorded as the number
-        strategy = resolved
-        config = replace(config, strategy_options={**config.strategy_options, "outer_lr": strategy.outer_lr})
+    strategy, auto = with_auto_outer(strategy, config.workers, config.steps)
+    notes = []
+    if auto:  # recorded as its numbers, and said once
+        config = replace(config, strategy_options={**config.strategy_options, "outer_lr": strategy.outer_lr,
+                                                   "outer_momentum": strategy.outer_momentum})
+        notes.append(auto.why())
     config.check_strategy(strategy)
 
     def absolute(path: str, names=()):
@@ -69,7 +72,6 @@ def resolve(config: TrainConfig) -> Resolved:
         raise ConfigError(f"model '{config.model}' does not fit data '{config.data}': "
                           "the cnn preset trains on fashion-mnist, language models on text")
     check_fine_tune(config, spec)
-    notes = []
     blocks = adapted_blocks(config, spec.num_blocks)
     if spec.num_blocks and blocks is not None and config.num_layers > blocks:
         notes.append(f"num-layers {config.num_layers} is more than the model's {blocks} blocks: adapters on all "
