@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 import numpy as np
 
 from .config import ConfigError, TrainConfig, held_out_in_sequences
@@ -34,12 +35,13 @@ from .exchange.comm import SimCommunicator
 from .exchange.network import modelled_time, parse_link
 from .export import global_parameters, trained_model
 from .models.zoo import build_model, load_spec
-from .options import did_you_mean, from_dict
+from .options import AUTO, did_you_mean, from_dict
 from .strategies import Strategy, make_strategy
 from .strategies.outer_lr import with_auto_outer
 from .training import checkpoint
 from .training.metrics import MetricsLog
 from .training.processes import choose_processes, run_processes, simulate
+from .training.period import with_period
 from .training.resolve import Parts
 from .training.run import Run
 from .training.workers import check_loss
@@ -159,7 +161,14 @@ class Trainer:
         the run's reports (training/callbacks.py; they keep the run in this process)."""
         workers = self.config.workers if workers is None else workers
         steps = self.config.steps if steps is None else steps
-        strategy, auto = with_auto_outer(as_strategy(strategy), workers, steps)  # auto: the run records its numbers
+        strategy = as_strategy(strategy)
+        if getattr(strategy, "sync_every", None) == AUTO:  # the period first: the outer step's rule reads H
+            model = self.built_model(self.config.seed) if isinstance(self.model, str) else self.model
+            values = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
+            strategy, notes = with_period(replace(self.config, workers=workers, steps=steps), strategy, values)
+            for note in notes:
+                self.log(note)
+        strategy, auto = with_auto_outer(strategy, workers, steps)  # auto: the run records its numbers
         if auto:
             self.log(auto.why())
         config = replace(self.config, workers=workers, steps=steps, strategy=strategy.name,

@@ -12,7 +12,7 @@ from .cluster.launch_options import LaunchOptions
 from .cluster.protocol import DEFAULT_PORT
 from .dashboard.server import DEFAULT_PORT as DASHBOARD_PORT
 from .config import ConfigError, TrainConfig
-from .options import NumberOrAuto
+from .options import NumberOrAuto, WholeOrAuto
 
 def add_config_flags(parser):
     """A flag for every config key, and for every option of every strategy (strategies/), each
@@ -59,14 +59,14 @@ def add_flag(parser, f, help: str, default=None) -> list:
     """The flag of option field `f` (none for a field that is no plain value, strategy_options);
     `default`: what the command takes when it is not given, if not the field's own (--help says it).
     Returns the names of the flags added."""
-    if f.type not in (bool, int, float, str, NumberOrAuto) or not f.metadata.get("flag", True):
+    if f.type not in (bool, int, float, str, NumberOrAuto, WholeOrAuto) or not f.metadata.get("flag", True):
         return []
     flag = "--" + f.name.replace("_", "-")
     if f.type is bool:
         parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help)
     else:
         shown = "" if "(default:" in help else f" (default: {f.default if default is None else default})"
-        parser.add_argument(flag, dest=f.name, type=NumberOrAuto.parse if f.type is NumberOrAuto else f.type,
+        parser.add_argument(flag, dest=f.name, type=f.type.parse if f.type in (NumberOrAuto, WholeOrAuto) else f.type,
                             default=None, help=help + shown, choices=f.metadata.get("choices"))
     return [f.name]
 

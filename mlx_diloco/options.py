@@ -41,6 +41,17 @@ class NumberOrAuto:
             raise argparse.ArgumentTypeError(f"'{text}' is neither a number nor {AUTO}") from None
 
 
+class WholeOrAuto(NumberOrAuto):
+    """An option of a whole number or 'auto' (a strategy's sync-every: sync_period.py)."""
+
+    @staticmethod
+    def parse(text: str):
+        try:
+            return AUTO if text == AUTO else int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is neither a whole number nor {AUTO}") from None
+
+
 def did_you_mean(key: str, names, valid: str = "valid") -> str:
     """The hint after an unknown `key`: the closest of `names`, else all of them ('{valid}: a, b')."""
     close = difflib.get_close_matches(key, list(names), n=1)
@@ -73,12 +84,13 @@ def checked_value(name: str, value, kind, default=None):
           int: lambda v: isinstance(v, int) and not isinstance(v, bool),
           float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
           NumberOrAuto: lambda v: v == AUTO or (isinstance(v, (int, float)) and not isinstance(v, bool)),
+          WholeOrAuto: lambda v: v == AUTO or (isinstance(v, int) and not isinstance(v, bool)),
           str: lambda v: isinstance(v, str)}.get(kind)
     if ok is None:  # a field of another type (a list, a dict): the dataclass checks it
         return value
     if not ok(value):
         example = {bool: "true or false", int: "a whole number", float: "a number", str: "a string",
-                   NumberOrAuto: f"a number or \"{AUTO}\""}[kind]
+                   NumberOrAuto: f"a number or \"{AUTO}\"", WholeOrAuto: f"a whole number or \"{AUTO}\""}[kind]
         raise ConfigError(f"{flag} must be {example}, not {json.dumps(value)}; "
                           f"write e.g. \"{name}\": {json.dumps(valid_example(value, kind, default))}")
     return float(value) if kind in (float, NumberOrAuto) and value != AUTO else value
@@ -91,13 +103,13 @@ def valid_example(value, kind, default):
     try:
         if kind is bool and text in ("true", "false"):
             return text == "true"
-        if kind is int and not isinstance(value, bool) and float(text) == int(float(text)):
+        if kind in (int, WholeOrAuto) and not isinstance(value, bool) and float(text) == int(float(text)):
             return int(float(text))
         if kind in (float, NumberOrAuto) and not isinstance(value, bool):
             return float(text)
     except (ValueError, OverflowError):
         pass
-    if kind is NumberOrAuto or (isinstance(default, kind) and not (kind is int and isinstance(default, bool))):
+    if kind in (NumberOrAuto, WholeOrAuto) or (isinstance(default, kind) and not (kind is int and isinstance(default, bool))):
         return default
     return {bool: True, int: 1, float: 1.0, str: "..."}[kind]
 

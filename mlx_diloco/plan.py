@@ -12,6 +12,7 @@ from .exchange.network import LINKS, Link, exchange_time, parse_link
 from .memory import (GB, GPU_SHARE, MAC_MEMORY_GB, MemoryOptions, estimate, flags, macs_it_fits, make_it_fit,
                      on_this_machine, trained_shape)
 from .strategies import make_strategy
+from .sync_period import EXPOSED_BUDGET, SyncCost, choose_sync_every
 from .training.metrics import human_bytes
 
 # plan's flags are config keys and DiLoCo's options (their help from their fields, cli.py), with
@@ -38,7 +39,8 @@ def plan(params: float, codec: str, workers: int, sync_every: int, step_time: fl
         exposed = fragments * max(0.0, fragment - overlap_steps * step_time)  # per H steps
         row = {"link": link.describe(), "sync_s": sync, "fragment_s": fragment,
                "ddp_util": step_time / (step_time + sync),
-               "diloco_util": sync_every * step_time / (sync_every * step_time + exposed)}
+               "diloco_util": sync_every * step_time / (sync_every * step_time + exposed),
+               "auto_h": choose_sync_every(SyncCost(fragment, step_time, fragments, overlap_steps), overlap_steps + 1)}
         if total_steps:
             per_worker = total_steps / workers
             row["single_s"] = total_steps * step_time
@@ -112,13 +114,15 @@ def print_plan(given: dict, model: str = None, params: float = None, links: list
     if P > 1 or tau:
         print(f"streaming: {P} fragments, each exchange sends {human_bytes(frag_sent)} (peak), "
               f"overlapped with {tau} inner steps")
-    head = f"{'link':34} {'sync time':>11} {'fragment':>11} {'DDP util':>9} {'DiLoCo util':>12}"
+    head = f"{'link':34} {'sync time':>11} {'fragment':>11} {'DDP util':>9} {'DiLoCo util':>12} {'auto H':>7}"
     if total_steps:
-        head += f" {'single':>11} {'DDP':>11} {'DiLoCo':>11}"
+        head += f" {'outer steps':>11} {'single':>11} {'DDP':>11} {'DiLoCo':>11}"
     print(head)
     for r in rows:
         line = (f"{r['link']:34} {format_duration(r['sync_s']):>11} {format_duration(r['fragment_s']):>11} "
-                f"{r['ddp_util']:>9.1%} {r['diloco_util']:>12.1%}")
+                f"{r['ddp_util']:>9.1%} {r['diloco_util']:>12.1%} {r['auto_h']:>7}")
+        if total_steps:
+            line += f" {total_steps / workers / r['auto_h']:>11.0f}"
         if total_steps:
             line += "".join(f" {format_duration(r[k]):>11}" for k in ("single_s", "ddp_s", "diloco_s"))
         print(line)
@@ -131,8 +135,11 @@ def legend(H: int, tau: int, workers: int, total_steps: int = None) -> str:
              "of 1/P of it (Streaming DiLoCo, --fragments P; all of it when P = 1)",
              "DDP util, DiLoCo util: the share of the time spent computing, with an exchange after every step "
              f"(DDP) or every H = {H} steps (DiLoCo"
-             + (f"; each fragment's exchange less what {tau} overlapped steps hide)" if tau else ")")]
+             + (f"; each fragment's exchange less what {tau} overlapped steps hide)" if tau else ")"),
+             f"auto H: what --sync-every auto takes on that link, the smallest H whose exchanges stay within "
+             f"{EXPOSED_BUDGET:.0%} of the wall-clock (fewer steps between syncs: closer to data-parallel)"]
     if total_steps:
-        lines.append(f"single, DDP, DiLoCo: time to train {total_steps:,} steps in all: on one machine, "
-                     f"and split over {workers} workers with DDP or DiLoCo")
+        lines.append(f"outer steps: at auto H, the outer steps of the {total_steps:,} steps split over {workers} workers "
+                     "(strategies/outer_lr.py: few outer steps cost quality); single, DDP, DiLoCo: time to train "
+                     f"{total_steps:,} steps in all: on one machine, and split over {workers} workers with DDP or DiLoCo")
     return "\n".join(lines)

@@ -19,7 +19,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..exchange.codecs import get_codec
 from ..exchange.worker_axis import placeholders
-from ..options import AUTO, ConfigError, NumberOrAuto
+from ..options import AUTO, ConfigError, NumberOrAuto, WholeOrAuto
 from .base import Strategy, mean_gradients, option
 from .fragments import Fragment, gather, global_tree, offload_folder, partition
 from .outer_lr import MOMENTUM_HELP, auto_help, check_outer
@@ -49,7 +49,8 @@ def outer_state_copies(outer_optimizer: str) -> int:
 class DiLoCo(Strategy):
     name = "diloco"
     keeps_global_model = True
-    sync_every: int = option(50, "H: inner steps between a fragment's outer steps")
+    sync_every: WholeOrAuto = option(50, "H: inner steps between a fragment's outer steps, or auto: the smallest "
+                                         "that keeps the exchanges within 5 percent of the wall-clock (sync_period.py)")
     outer_optimizer: str = option("nesterov", f"the outer step: {', '.join(OUTER_OPTIMIZERS)} "
                                               "(adam takes lr-sized steps: pass an outer-lr near 0.05)")
     outer_lr: NumberOrAuto = option(AUTO, auto_help())
@@ -68,12 +69,12 @@ class DiLoCo(Strategy):
         get_codec(self.compress)
         self.require(self.outer_optimizer in OUTER_OPTIMIZERS, f"outer-optimizer must be one of "
                      f"{', '.join(OUTER_OPTIMIZERS)} (got '{self.outer_optimizer}')")
-        self.require(self.sync_every >= 1, f"sync-every (H) must be >= 1 (got {self.sync_every})")
+        self.require(self.sync_every == AUTO or self.sync_every >= 1, f"sync-every (H) must be >= 1 or auto (got {self.sync_every})")
         check_outer(self)
         self.require(self.fragments >= 1, f"fragments must be >= 1 (got {self.fragments})")
         self.require(self.fragment_order in ("strided", "sequential"),
                      f"fragment-order must be strided or sequential (got '{self.fragment_order}')")
-        self.require(0 <= self.overlap_steps < self.sync_every,
+        self.require(0 <= self.overlap_steps and (self.sync_every == AUTO or self.overlap_steps < self.sync_every),
                      f"overlap-steps must be in [0, H) = [0, {self.sync_every}) (got {self.overlap_steps})")
         self.require(self.merge_alpha == -1 or 0 <= self.merge_alpha <= 1,
                      f"merge-alpha must be in [0, 1] (got {self.merge_alpha})")

@@ -26,6 +26,12 @@ BEST = {  # M: ((eta, mu) at each of MEASURED_N)
     8: ((1.41, 0.5), (1.41, 0.5), (1.41, 0.5), (1.41, 0.5)),
 }
 MEASURED_H = (5, 100)
+# The eval loss against data-parallel at each cell's best (percent), what a run of that many outer steps costs.
+GAP = {
+    1: (-0.5, 0.1, -0.25, -0.1),
+    4: (7.9, 7.3, 4.8, 4.0),
+    8: (10.0, 9.0, 7.0, 6.0),
+}
 
 
 @dataclass(frozen=True)
@@ -124,3 +130,25 @@ def with_auto_outer(strategy, workers: int, steps: int):
 # of diloco, muloco, sparta-diloco and quorum before issue 39, their momentum before issue 44. Those
 # runs recorded only the options given; runs since record auto's numbers.
 DEFAULT_BEFORE_AUTO = {"outer_lr": 0.7, "outer_momentum": 0.9}
+
+
+def cell_gap(workers: int, outer_steps: float) -> tuple:
+    """(N, gap in percent) of the grid's cell for a run of `outer_steps` at M = `workers`."""
+    M = min((m for m in BEST if m >= workers), default=max(BEST))
+    i = min(range(len(MEASURED_N)), key=lambda j: abs(math.log(MEASURED_N[j] / max(outer_steps, 1))))
+    return MEASURED_N[i], GAP[M][i]
+
+
+def few_outer_steps(workers: int, sync_every: int, steps: int, budget_h: int) -> str:
+    """'' or one line: a run whose outer steps are few for its M (the grid measured at least a point
+    more against data-parallel than at the most it measured), what that cost and what would do
+    better: `budget_h`, the smallest H that keeps its exchanges within budget, where it is smaller."""
+    N, gap = cell_gap(workers, steps / max(sync_every, 1))
+    most, least_gap = cell_gap(workers, MEASURED_N[-1])
+    if gap - least_gap < 1.0:
+        return ""
+    line = (f"{steps / max(sync_every, 1):.0f} outer steps are few for M={workers}: the grid measured {gap:+.1f}% "
+            f"against data-parallel at ~{N} outer steps, {least_gap:+.1f}% at ~{most}")
+    if budget_h < sync_every:
+        return line + f"; H={budget_h} keeps the exchanges within budget and takes {steps / budget_h:.0f}"
+    return line + "; a longer run, or a smaller payload (--compress int4) for a smaller H, would do better"

@@ -38,7 +38,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..exchange.codecs import get_codec
 from ..exchange.worker_axis import placeholders
-from ..options import AUTO, NumberOrAuto
+from ..options import AUTO, NumberOrAuto, WholeOrAuto
 from .base import Strategy, option
 from .diloco import OUTER_OPTIMIZERS, outer_state_copies
 from .outer_lr import MOMENTUM_HELP, auto_help, check_outer
@@ -110,7 +110,8 @@ class Quorum(Strategy):
     keeps_global_model = True
     steps_can_differ = True  # workers exchange nothing between outer steps
     syncs_every_h = False    # an outer step comes when K workers have reported
-    sync_every: int = option(50, "H: inner steps a worker takes in a round before it reports")
+    sync_every: WholeOrAuto = option(50, "H: inner steps a worker takes in a round before it reports (auto: as "
+                                         "diloco's)")
     quorum: int = option(0, "K: reports of H inner steps an outer step waits for (0: every worker but one)")
     grace_steps: int = option(-1, "ticks an outer step waits for more reports once K workers have reported "
                                   "(-1: H/10)")
@@ -126,7 +127,7 @@ class Quorum(Strategy):
         get_codec(self.compress)
         self.require(self.outer_optimizer in OUTER_OPTIMIZERS, f"outer-optimizer must be one of "
                      f"{', '.join(OUTER_OPTIMIZERS)} (got '{self.outer_optimizer}')")
-        self.require(self.sync_every >= 1, f"sync-every (H) must be >= 1 (got {self.sync_every})")
+        self.require(self.sync_every == AUTO or self.sync_every >= 1, f"sync-every (H) must be >= 1 or auto (got {self.sync_every})")
         self.require(self.quorum >= 0, f"quorum (K) must be >= 0 (got {self.quorum})")
         self.require(self.grace_steps >= -1, f"grace-steps must be >= 0, or -1 for H/10 (got {self.grace_steps})")
         self.require(self.staleness_exponent >= 0, f"staleness-exponent must be >= 0 (got {self.staleness_exponent})")

@@ -119,9 +119,9 @@ def run_processes(config: TrainConfig, run_dir: Path, processes: int, resume: bo
         check_new_run_dir(run_dir)
     resolved = resolve(config)
     config = resolved.config  # the processes are given it as resolved: this process says its notes
-    for note in resolved.notes:
-        log(note)
     load_data(config, resolved.spec, log=log)  # tokenize once here: the processes read the cache
+    for note in resolved.notes:  # once the data is found: no line before an error
+        log(note)
     log(f"{config.strategy} with {config.workers} simulated workers in {K} processes, model {config.model}, "
         f"data {config.data} -> {run_dir}")
     threads = str(max(1, usable_cores() // K))  # BLAS threads: K processes share the cores, no more

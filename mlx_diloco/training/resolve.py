@@ -17,6 +17,7 @@ from ..options import AUTO
 from ..strategies import make_strategy, strategy_class
 from ..strategies.outer_lr import DEFAULT_BEFORE_AUTO, with_auto_outer
 from . import checkpoint
+from .period import has_period, recorded, with_period
 
 
 def saved_config(run_dir: Path) -> TrainConfig:
@@ -51,8 +52,9 @@ def resolve(config: TrainConfig) -> Resolved:
     its number), with its strategy and model spec, each checked against the others. The strategy
     first: a misspelled option is the first thing said, before a model or data is looked for."""
     strategy = make_strategy(config.strategy, config.strategy_options)  # its options: names, types, ranges
+    strategy, notes = with_period(config, strategy)  # sync-every auto first: the outer step's rule reads H
+    config = recorded(config, strategy) if has_period(strategy) else config
     strategy, auto = with_auto_outer(strategy, config.workers, config.steps)
-    notes = []
     if auto:  # recorded as its numbers, and said once
         config = replace(config, strategy_options={**config.strategy_options, "outer_lr": strategy.outer_lr,
                                                    "outer_momentum": strategy.outer_momentum})

@@ -151,8 +151,6 @@ class Run:
             check_new_run_dir(self.run_dir)
         resolved = resolve(config) if parts is None else None
         self.config = config = resolved.config if resolved else config
-        for note in resolved.notes if resolved and reporter else ():
-            log(note)
         ring = len(job.ring_slots) if job.ring_slots else config.workers
         if comm.num_workers != ring:
             raise ConfigError(f"the job has {comm.num_workers} workers but the config says {ring}")
@@ -163,6 +161,8 @@ class Run:
         if reporter:  # report-to's packages, before any model or data is loaded
             check_loggers(config)
         parts = parts or parts_from_config(resolved, log, job.data_dir)
+        for note in resolved.notes if resolved and reporter else ():  # once the data is found: no line before an error
+            log(note)
         self.spec, self.data, model = parts.spec, parts.data, parts.model
         convert_model(model, config)
         self.objective = make_objective(config, model, self.data, log)  # its reference: the model as it starts
