@@ -31,10 +31,12 @@ import numpy as np
 from .config import ConfigError, TrainConfig
 from .data.datasets import ArrayExamples, BatchStream, Dataset
 from .exchange.comm import SimCommunicator
+from .exchange.ledger import ExchangeLedger
 from .exchange.network import modelled_time, parse_link
 from .export import global_parameters, trained_model
 from .models.zoo import build_model, load_spec
 from .options import did_you_mean, from_dict
+from .records import META, SUMMARY
 from .strategies import Strategy, make_strategy
 from .strategies.outer_lr import with_outer_lr
 from .training import checkpoint
@@ -71,7 +73,7 @@ class FitResult:
     def modelled_time(self, link: str) -> float:
         """Seconds the run would take on `link` (a preset or 'BW/LATENCY'): compute, plus the
         part of each exchange that overlapped steps do not hide."""
-        return modelled_time(self.summary["compute_s"], self.exchanges, self.step_s, parse_link(link))
+        return modelled_time(self.summary[SUMMARY.compute_s], self.exchanges, self.step_s, parse_link(link))
 
 
 def as_strategy(strategy) -> Strategy:
@@ -235,5 +237,6 @@ class Trainer:
         last checkpoint's `meta` where the caller has read it)."""
         meta = meta or checkpoint.load(run_dir, log=lambda m: None)[1]
         summary = json.loads((run_dir / "summary.json").read_text())
-        return FitResult(model, MetricsLog.read(run_dir), summary["bytes_sent_per_worker"], summary, run_dir,
-                         [tuple(e) for e in meta["exchanges"]["log"]], meta["compute_s"] / max(meta["step"], 1))
+        ledger = ExchangeLedger.from_state(meta[META.exchanges])
+        return FitResult(model, MetricsLog.read(run_dir), summary[SUMMARY.bytes_sent_per_worker], summary, run_dir,
+                         ledger.log, meta[META.compute_s] / max(meta[META.step], 1))

@@ -13,6 +13,7 @@ from .cluster.protocol import DEFAULT_PORT
 from .dashboard.server import DEFAULT_PORT as DASHBOARD_PORT
 from .config import ConfigError, TrainConfig
 from .options import NumberOrAuto
+from .records import SUMMARY
 
 def add_config_flags(parser):
     """A flag for every config key, and for every option of every strategy (strategies/), each
@@ -264,8 +265,8 @@ def cmd_launch(args):
         s = launcher.run(resume=args.resume)
     except JobFailed as e:
         raise ConfigError(f"job failed: {e}")
-    print(f"\njob {s['job']} in {s['run_dir']}: {s['workers']} workers, {s['steps']} steps, "
-          f"final eval loss {s['final_eval_loss']:.4f}, {s['restarts']} restart(s)")
+    print(f"\njob {s[SUMMARY.job]} in {s[SUMMARY.run_dir]}: {s[SUMMARY.workers]} workers, {s[SUMMARY.steps]} steps, "
+          f"final eval loss {s[SUMMARY.final_eval_loss]:.4f}, {s[SUMMARY.restarts]} restart(s)")
     print(f"measured on the workers: {time_spent(s)}")
 
 
@@ -303,23 +304,25 @@ def cmd_secret(args):
 def print_summary(s):
     from .gym.scorecard import time_spent
     from .training.metrics import human_bytes
-    print(f"\nrun {s['run_dir']}: {s['strategy']} x{s['workers']}, {s['steps']} steps, "
-          f"{trained_on(s)}, final eval loss {s['final_eval_loss']:.4f}")
-    print(f"each worker sent {human_bytes(s['bytes_sent_per_worker'])}; on {s['link']}: compute "
-          f"{s['compute_s']:.1f} s + exchange {s['modelled_comm_s']:.2f} s, utilisation {s['utilisation']:.1%}")
+    print(f"\nrun {s[SUMMARY.run_dir]}: {s[SUMMARY.strategy]} x{s[SUMMARY.workers]}, {s[SUMMARY.steps]} steps, "
+          f"{trained_on(s)}, final eval loss {s[SUMMARY.final_eval_loss]:.4f}")
+    print(f"each worker sent {human_bytes(s[SUMMARY.bytes_sent_per_worker])}; on {s[SUMMARY.link]}: compute "
+          f"{s[SUMMARY.compute_s]:.1f} s + exchange {s[SUMMARY.modelled_comm_s]:.2f} s, utilisation "
+          f"{s[SUMMARY.utilisation]:.1%}")
     print(f"measured here: {time_spent(s)}")
-    if s.get("peak_memory_bytes"):
-        print(f"peak memory {human_bytes(s['peak_memory_bytes'])} per process ({s['workers_per_process']} "
-              f"worker{'s' if s['workers_per_process'] > 1 else ''} each)")
-    if s.get("kernels"):
-        print(f"ran on {s['kernels']}; inner step: {s['inner_step']}")
+    if s.get(SUMMARY.peak_memory_bytes):
+        per_process = s[SUMMARY.workers_per_process]
+        print(f"peak memory {human_bytes(s[SUMMARY.peak_memory_bytes])} per process ({per_process} "
+              f"worker{'s' if per_process > 1 else ''} each)")
+    if s.get(SUMMARY.kernels):
+        print(f"ran on {s[SUMMARY.kernels]}; inner step: {s[SUMMARY.inner_step]}")
 
 
 def trained_on(s: dict) -> str:
     """'40,960 tokens', or for data that is not tokens (images, features) '12,800 examples'."""
-    if s.get("tokens") is not None:
-        return f"{s['tokens']:,} tokens"
-    return f"{s.get('examples') or 0:,} examples (the data is not tokens)"
+    if s.get(SUMMARY.tokens) is not None:
+        return f"{s[SUMMARY.tokens]:,} tokens"
+    return f"{s.get(SUMMARY.examples) or 0:,} examples (the data is not tokens)"
 
 
 def cmd_plan(args):

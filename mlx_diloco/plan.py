@@ -36,7 +36,7 @@ def plan(params: float, codec: str, workers: int, sync_every: int, step_time: fl
         sync = exchange_time(hops, sent, link) if workers > 1 else 0.0
         fragment = exchange_time(frag_hops, frag_sent, link) if workers > 1 else 0.0
         exposed = fragments * max(0.0, fragment - overlap_steps * step_time)  # per H steps
-        row = {"link": link.describe(), "sync_s": sync, "fragment_s": fragment,
+        row = {"link": link.describe(), "exchange_s": sync, "fragment_s": fragment,
                "ddp_util": step_time / (step_time + sync),
                "diloco_util": sync_every * step_time / (sync_every * step_time + exposed)}
         if total_steps:
@@ -117,7 +117,7 @@ def print_plan(given: dict, model: str = None, params: float = None, links: list
         head += f" {'single':>11} {'DDP':>11} {'DiLoCo':>11}"
     print(head)
     for r in rows:
-        line = (f"{r['link']:34} {format_duration(r['sync_s']):>11} {format_duration(r['fragment_s']):>11} "
+        line = (f"{r['link']:34} {format_duration(r['exchange_s']):>11} {format_duration(r['fragment_s']):>11} "
                 f"{r['ddp_util']:>9.1%} {r['diloco_util']:>12.1%}")
         if total_steps:
             line += "".join(f" {format_duration(r[k]):>11}" for k in ("single_s", "ddp_s", "diloco_s"))

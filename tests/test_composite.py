@@ -10,6 +10,7 @@ from conftest import tiny_config
 from mlx_diloco.config import ConfigError
 from mlx_diloco.exchange.comm import SimCommunicator
 from mlx_diloco.plot import label
+from mlx_diloco.records import SavedArrays
 from mlx_diloco.strategies import SPARTA, DiLoCo, SPARTADiLoCo, make_strategy
 from mlx_diloco.training.run import Run
 
@@ -62,7 +63,7 @@ def test_a_composite_checkpoints_each_part_resumes_and_reads_its_global_model_ba
     assert resumed["final_eval_loss"] == whole["final_eval_loss"]
     state = run.strategy.state()
     assert set(state) == {"sparta", "diloco"} and "fragments" in state["diloco"]
-    arrays = {"workers": {"params": run.workers.params}, "strategy": state}
+    arrays = SavedArrays(run.workers.params, {}, state)
     global_model = run.strategy.global_params(run.workers.params)
     want = dict(tree_flatten(global_model))
     got = dict(tree_flatten(run.strategy.global_from_state(global_model, arrays)))  # a template: its shapes

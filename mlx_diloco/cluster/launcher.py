@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from .. import hub, run_status
 from ..atomic import atomic_write_text
+from ..records import EVENT, HOP, PROGRESS, ROW, STATUS, STOP, run_summary
 from ..schedule import SyncSchedule
 from ..config import ConfigError, TrainConfig
 from ..training.metrics import MetricsLog, human_bytes
@@ -249,7 +250,7 @@ class Launcher:
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.exchanges = MetricsLog(self.run_dir / "exchanges.jsonl")  # rank 0's, mirrored as its metrics are
         self.events = self.run_dir / "events.jsonl"
-        self.restart_s = sum(e["total_s"] for e in self._events() if e["event"] in RESTARTS)
+        self.restart_s = sum(e[EVENT.total_s] for e in self._events() if e[EVENT.event] in RESTARTS)
         self.status = run_status.StatusWriter(self.run_dir, "launch")  # what the dashboard shows of each worker
         self.step_rate, self.shown, self.offered = run_status.StepRate(), {}, {}
         self.sync_grid = SyncSchedule(sync_grid(state.config))
@@ -310,8 +311,8 @@ class Launcher:
         return self.clients[key]
 
     def event(self, kind: str, **detail):
-        row = {"time": time.time(), "event": kind, **detail}
-        self.restart_s += detail["total_s"] if kind in RESTARTS else 0
+        row = EVENT.check({EVENT.time: time.time(), EVENT.event: kind, **detail})
+        self.restart_s += detail[EVENT.total_s] if kind in RESTARTS else 0
         with open(self.events, "a") as f:
             f.write(json.dumps(row) + "\n")
         text = " ".join(f"{k}={v}" for k, v in detail.items())
@@ -394,7 +395,7 @@ class Launcher:
         """RUN/ring.json: this start's ring, one hop per rank (the one from rank r-1): its machine, where it
         listens, the link's kind and its kept measurement (Gbit/s of bus bandwidth, latency; null without)."""
         addresses = [listens[0] for listens in ring.addresses]
-        hops = [{"rank": r, "worker": m.worker_id, "host": m.host or m.address, "address": addresses[r], **hop}
+        hops = [{HOP.rank: r, HOP.worker: m.worker_id, HOP.host: m.host or m.address, HOP.address: addresses[r], **hop}
                 for r, (m, hop) in enumerate(zip(self.state.members, ring_hops(agents, ring.order, addresses)))]
         atomic_write_text(self.run_dir / "ring.json", json.dumps(hops, indent=1))
 
@@ -452,7 +453,7 @@ class Launcher:
             return False
         if all(s.get("returncode") == STOPPED_FOR_CHANGE for s in states):  # the launcher died during a change
             self.event("reattached", workers=len(states), during="a membership change")
-            return self.change_members({m.worker_id: s["progress"]["stopped"]
+            return self.change_members({m.worker_id: s["progress"][PROGRESS.stopped]
                                         for m, s in zip(self.state.members, states)})
         return self.recover("workers not running on re-attach")
 
@@ -488,21 +489,21 @@ class Launcher:
                 if failure:
                     return failure
                 progress = [s["progress"] for s in states.values() if s.get("progress")]
-                self.last_steps.update({w: s["progress"]["step"] for w, s in states.items() if s.get("progress")})
+                self.last_steps.update({w: s["progress"][PROGRESS.step] for w, s in states.items() if s.get("progress")})
                 self._note_first_steps(progress)
                 if states and len(states) == len(self.state.members) and \
                         all(s["state"] == "exited" and s["returncode"] == STOPPED_FOR_CHANGE for s in states.values()):
-                    return {"stopped": {w: s["progress"]["stopped"] for w, s in states.items()}}
+                    return {"stopped": {w: s["progress"][PROGRESS.stopped] for w, s in states.items()}}
                 if self.state.elastic and time.time() > next_look:
                     self.look_for_joiners()
                     next_look = time.time() + 2
                 if progress:
-                    bar.n = min(p["step"] for p in progress)
+                    bar.n = min(p[PROGRESS.step] for p in progress)
                     bar.set_postfix_str("  ".join(
-                        f"w{m.worker_id} {s['progress']['loss']:.3f} {s['progress']['tokens_per_s']:,.0f}tok/s "
-                        f"sync {s['progress']['sync_s']:.1f}s sent {human_bytes(s['progress'].get('bytes_sent', 0))}"
+                        f"w{m.worker_id} {p[PROGRESS.loss]:.3f} {p[PROGRESS.tokens_per_s]:,.0f}tok/s "
+                        f"sync {p[PROGRESS.sync_s]:.1f}s sent {human_bytes(p.get(PROGRESS.bytes_sent, 0))}"
                         for m in self.state.members
-                        if (s := states.get(m.worker_id)) and s.get("progress")))
+                        if (s := states.get(m.worker_id)) and (p := s.get("progress"))))
                     bar.refresh()
                 if states and len(states) == len(self.state.members) and \
                         all(s["state"] == "exited" and s["returncode"] == 0 for s in states.values()):
@@ -557,11 +558,11 @@ class Launcher:
         if not lines:
             return
         have = [line for line in log.path.read_text().splitlines() if line.strip()] if log.path.exists() else []
-        last = json.loads(have[-1])["step"] if have else None
-        at_last = {line for line in have if json.loads(line)["step"] == last}
+        last = json.loads(have[-1])[ROW.step] if have else None  # (an exchange row's step: the same key)
+        at_last = {line for line in have if json.loads(line)[ROW.step] == last}
         with open(log.path, "a") as f:
             for line in lines:
-                step = json.loads(line)["step"]
+                step = json.loads(line)[ROW.step]
                 if last is None or step > last or (step == last and line not in at_last):
                     f.write(line + "\n")
                     at_last = at_last if step == last else set()
@@ -577,28 +578,31 @@ class Launcher:
     def _show_all(self, state: str, lost=()):
         """While the ring is down (a restart, a change, a wait for lost machines): every member in
         `state`, those of `lost` lost, each with what it reported last."""
-        self._write_status([{**self.shown.get(m.worker_id, {"worker": m.worker_id, "host": m.host or m.address}),
-                             "state": "lost" if m.worker_id in lost else state} for m in self.state.members], force=True)
+        self._write_status([{**self.shown.get(m.worker_id, {STATUS.worker: m.worker_id, STATUS.host: m.host or m.address}),
+                             STATUS.state: "lost" if m.worker_id in lost else state} for m in self.state.members],
+                           force=True)
 
     def _write_status(self, rows: list, force: bool = False):
         """The members' rows (in ring order, with their ranks), then the machines out of the ring: lost,
         or waiting to join."""
-        rows = [{**row, "rank": rank} for rank, row in enumerate(rows)]
-        spares = [{"worker": m.worker_id if m.worker_id >= 0 else None, "host": m.host or m.address,
-                   "state": "lost" if m.lost else "waiting"}
+        rows = [{**row, STATUS.rank: rank} for rank, row in enumerate(rows)]
+        spares = [{STATUS.worker: m.worker_id if m.worker_id >= 0 else None, STATUS.host: m.host or m.address,
+                   STATUS.state: "lost" if m.lost else "waiting"}
                   for m in self.state.spares]
-        step = min((r["step"] for r in rows if r.get("step") is not None), default=0)
+        step = min((r[STATUS.step] for r in rows if r.get(STATUS.step) is not None), default=0)
         self.status.write(step, self.state.config["steps"], rows + spares, force=force)
 
     def _row(self, m: Member, status) -> dict:
         """A member's row from its poll (None: its agent did not answer), over what it reported before."""
-        row = {**self.shown.get(m.worker_id, {}), "worker": m.worker_id, "host": m.host or m.address,
-               "memory_limit_bytes": self.offered.get(m.worker_id), "restart_s": self.restart_s}
+        row = {**self.shown.get(m.worker_id, {}), STATUS.worker: m.worker_id, STATUS.host: m.host or m.address,
+               STATUS.memory_limit_bytes: self.offered.get(m.worker_id), STATUS.restart_s: self.restart_s}
         p = status and status.get("progress")
         if p:
-            row.update(step=p["step"], loss=p["loss"], tokens_per_s=p["tokens_per_s"],
-                       steps_per_s=self.step_rate(m.worker_id, p["time"], p["step"]), **run_status.passed(p))
-        row["state"] = self._state_of(status, p, row.get("steps_per_s"))
+            row.update({STATUS.step: p[PROGRESS.step], STATUS.loss: p[PROGRESS.loss],
+                        STATUS.tokens_per_s: p[PROGRESS.tokens_per_s],
+                        STATUS.steps_per_s: self.step_rate(m.worker_id, p[PROGRESS.time], p[PROGRESS.step]),
+                        **run_status.passed(p)})
+        row[STATUS.state] = self._state_of(status, p, row.get(STATUS.steps_per_s))
         self.shown[m.worker_id] = row
         return row
 
@@ -612,11 +616,11 @@ class Launcher:
             return {0: "done", STOPPED_FOR_CHANGE: "restarting"}.get(status["returncode"], "failed")
         if not progress:
             return "starting"
-        if progress.get("stopped"):
+        if progress.get(PROGRESS.stopped):
             return "restarting"
         if progress["age_s"] > max(2.0, 3 / (steps_per_s or 1)):
             grid = self.sync_grid
-            return "syncing" if not grid.every or grid.syncs(progress["step"] + 1) else "waiting"
+            return "syncing" if not grid.every or grid.syncs(progress[PROGRESS.step] + 1) else "waiting"
         return "training"
 
     def _truncate_mirrors(self, step: int):
@@ -726,7 +730,7 @@ class Launcher:
         except AgentError:
             return False
         if status.get("progress"):
-            self.last_steps[m.worker_id] = status["progress"]["step"]
+            self.last_steps[m.worker_id] = status["progress"][PROGRESS.step]
         return status["state"] == "running"
 
     def _saved_all_it_did(self, m: Member) -> bool:
@@ -809,19 +813,19 @@ class Launcher:
         """Every member saved its state at the same step for a membership change: the machine asked to
         join joins, or the members the schedule plans from the next step on form the ring."""
         self._show_all("restarting")
-        step = max(info["step"] for info in stopped.values())
-        self.last_steps.update({int(w): info["step"] for w, info in stopped.items()})
+        step = max(info[STOP.step] for info in stopped.values())
+        self.last_steps.update({int(w): info[STOP.step] for w, info in stopped.items()})
         if not self.state.change:
             self._begin_change("planned")
         # The change costs from the moment the first worker stopped training (a joiner waits for a sync point).
-        self.state.change["began"] = min(info["time"] for info in stopped.values())
-        self.state.change["stopped_at"] = max(info["time"] for info in stopped.values())
+        self.state.change["began"] = min(info[STOP.time] for info in stopped.values())
+        self.state.change["stopped_at"] = max(info[STOP.time] for info in stopped.values())
         joiner, self.pending_join = self.pending_join, None
         if joiner:
             self._record(step, f"+{joiner.worker_id}")
             self._join(joiner)
         elif self.state.config.get("membership"):  # (else a join asked for before a launcher restart: looked for again)
-            planned = set(next(iter(stopped.values()))["members"])
+            planned = set(next(iter(stopped.values()))[STOP.members])
             for m in [m for m in self.state.members if m.worker_id not in planned]:
                 self.state.members.remove(m)
                 self.state.spares.append(m)
@@ -906,16 +910,18 @@ class Launcher:
         return [json.loads(line) for line in self.events.read_text().splitlines()] if self.events.exists() else []
 
     def summary(self) -> dict:
+        """The job's summary (records.SUMMARY, as sim's): rank 0's last metrics row, and what the launcher
+        knows of the job (its restarts and changes); what only the workers know (the model) is None."""
         rows = MetricsLog.read(self.metrics.path) if self.metrics.path.exists() else []
         last = rows[-1] if rows else {}
-        summary = {"run_dir": str(self.run_dir), "job": self.state.job, "strategy": last.get("strategy"),
-                   "workers": len(self.state.members), "steps": last.get("step"), "tokens": last.get("tokens"),
-                   "final_eval_loss": last.get("eval_loss"), "restarts": self.state.restarts,
-                   "bytes_sent_per_worker": last.get("bytes_sent_per_worker"), "utilisation": last.get("utilisation"),
-                   "compute_s": last.get("compute_s"), "wall_s": last.get("wall_s"),
-                   **{key: last.get(key) for key in ("measured_utilisation", "busy_s", "link_s", "straggler_s", "mfu")},
-                   "restart_s": self.restart_s,
-                   "tokens_per_shard": last.get("tokens_per_shard"), "inner_steps_lost": last.get("inner_steps_lost"),
-                   "membership_changes": [e for e in self._events() if e["event"] == "membership_change"]}
+        same = (ROW.strategy, ROW.tokens, ROW.examples, ROW.tokens_per_shard, ROW.inner_steps_lost,
+                ROW.bytes_sent_per_worker, ROW.peak_exchange_bytes, ROW.compute_s, ROW.utilisation,
+                ROW.measured_utilisation, ROW.busy_s, ROW.link_s, ROW.straggler_s, ROW.mfu, ROW.flops_per_token,
+                ROW.peak_gflops, ROW.peak_memory_bytes, ROW.workers_per_process, ROW.wall_s)
+        summary = run_summary(
+            **{key: last.get(key) for key in same}, run_dir=str(self.run_dir), job=self.state.job,
+            workers=len(self.state.members), steps=last.get(ROW.step), final_eval_loss=last.get(ROW.eval_loss),
+            modelled_comm_s=last.get(ROW.comm_s), restarts=self.state.restarts, restart_s=self.restart_s,
+            changes=[e for e in self._events() if e[EVENT.event] in RESTARTS])
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=1))
         return summary

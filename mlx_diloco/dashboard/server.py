@@ -45,6 +45,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from .. import run_status
 from ..exchange.network import parse_link
 from ..options import ConfigError
+from ..records import HOP, STATUS
 
 STATIC = Path(__file__).parent / "static"
 # The page and its code, read once (75 KB): serving them opens no file, even out of file descriptors.
@@ -126,15 +127,16 @@ def modelled_ring(config) -> list:
         workers = int(config["workers"])
     except (AttributeError, KeyError, TypeError, ValueError, ConfigError):
         return []
-    return [{"rank": w, "worker": w, "host": "sim", "kind": link.name, "gbps": link.bandwidth_bps / 1e9,
-             "latency_ms": link.latency_s * 1e3, "modelled": True} for w in range(workers)]
+    return [HOP.check({HOP.rank: w, HOP.worker: w, HOP.host: "sim", HOP.kind: link.name, HOP.gbps: link.bandwidth_bps / 1e9,
+                       HOP.latency_ms: link.latency_s * 1e3, HOP.modelled: True}) for w in range(workers)]
 
 
 def ranks(status: dict) -> list:
     """A cluster's ring as its status says: the members in rank order, their links unknown."""
-    members = sorted((w for w in status.get("workers", []) if w.get("rank") is not None), key=lambda w: w["rank"])
-    return [{"rank": w["rank"], "worker": w.get("worker"), "host": w.get("host"), "kind": None, "gbps": None,
-             "latency_ms": None} for w in members]
+    members = sorted((w for w in status.get("workers", []) if w.get(STATUS.rank) is not None),
+                     key=lambda w: w[STATUS.rank])
+    return [{HOP.rank: w[STATUS.rank], HOP.worker: w.get(STATUS.worker), HOP.host: w.get(STATUS.host), HOP.kind: None,
+             HOP.gbps: None, HOP.latency_ms: None} for w in members]
 
 
 def snapshot(run_dir: Path, say=lambda message: None) -> dict:

@@ -14,7 +14,7 @@ hooks around every inner step:
     state() / load_state(state)    what a checkpoint holds beside the workers' parameters
 
 and answers what the rest of the package asks of it, so that nothing outside strategies/ tests
-its name: `label()` (plots, scorecards), `global_from_state(template, arrays)` (export),
+its name: `label()` (plots, scorecards), `global_from_state(template, saved)` (export),
 `steps_can_differ` (speed-policy time), `syncs_every_h` (membership, elastic jobs), `own_state`
 (who may join), `outer_copies` and `worker_copies` (memory estimates), `keeps_global_model`.
 
@@ -191,11 +191,12 @@ class Strategy:
     def global_params(self, params):
         return replica(params)
 
-    def global_from_state(self, template, arrays: dict):
-        """The global model a checkpoint's `arrays` ({"workers": {"params": ...}, "strategy":
-        state()}) hold, without building a run: here worker 0's parameters (the replicas are equal,
-        or end so); `template`, a model's parameters, gives the shapes and dtypes where needed."""
-        return replica(arrays["workers"]["params"])
+    def global_from_state(self, template, saved):
+        """The global model a checkpoint holds (`saved`: its arrays, records.SavedArrays: the workers'
+        parameters, and this strategy's `state()` as saved), without building a run: here worker 0's
+        parameters (the replicas are equal, or end so); `template`, a model's parameters, gives the
+        shapes and dtypes where needed."""
+        return replica(saved.params)
 
     def state(self) -> dict:
         return {}

@@ -9,7 +9,7 @@ reduce_gradients and after_step are chained through them, each part's checkpoint
 its own key, and the global model is the one a part keeps (DiLoCo's), else worker 0's.
 """
 
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from ..options import ConfigError
 from .base import Strategy, option
@@ -113,11 +113,11 @@ class Composite(Strategy):
     def global_params(self, params):
         return self.global_part[1].global_params(params) if self.global_part else super().global_params(params)
 
-    def global_from_state(self, template, arrays):
+    def global_from_state(self, template, saved):
         if not self.global_part:
-            return super().global_from_state(template, arrays)
+            return super().global_from_state(template, saved)
         key, part = self.global_part
-        return part.global_from_state(template, {**arrays, "strategy": arrays["strategy"][key]})
+        return part.global_from_state(template, replace(saved, strategy=saved.strategy[key]))  # its part's state
 
     def state(self):
         return {key: p.state() for key, p in self.parts.items()}

@@ -180,9 +180,9 @@ class DiLoCo(Strategy):
         for f in self.model_fragments:
             f.load_state(state["fragments"][f.index], self.comm)
 
-    def global_from_state(self, template, arrays: dict):
+    def global_from_state(self, template, saved):
         """The fragments' global values in their places, in the dtypes of `template`."""
-        fragments = arrays["strategy"]["fragments"]
+        fragments = saved.strategy["fragments"]
         pieces = partition(template, len(fragments), self.fragment_order)
         return global_tree(template, [(p, f["global"]) for p, f in zip(pieces, fragments)])
 

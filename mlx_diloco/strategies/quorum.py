@@ -211,8 +211,8 @@ class Quorum(Strategy):
     def global_params(self, params):
         return global_tree(self.template, [(self.pieces, self.store.global_values)])
 
-    def global_from_state(self, template, arrays: dict):
-        return global_tree(template, [(partition(template, 1)[0], arrays["strategy"]["global"])])
+    def global_from_state(self, template, saved):
+        return global_tree(template, [(partition(template, 1)[0], saved.strategy["global"])])
 
     def state(self) -> dict:
         return {"global": self.store.global_values, "outer": self.store.outer_state, "rounds": self.rounds.state()}

@@ -200,7 +200,7 @@ class SparseLoCo(Strategy):
         self.global_values = {k: saved_global[k] for k in self.global_values}
         self.error = {k: saved_error[k] for k in self.error}
 
-    def global_from_state(self, template, arrays: dict):
+    def global_from_state(self, template, saved):
         """The global values a checkpoint holds, in the dtypes of `template`."""
-        saved = dict(tree_flatten(arrays["strategy"]["global"]))
-        return tree_unflatten([(k, saved[k].astype(v.dtype)) for k, v in tree_flatten(template)])
+        values = dict(tree_flatten(saved.strategy["global"]))
+        return tree_unflatten([(k, values[k].astype(v.dtype)) for k, v in tree_flatten(template)])

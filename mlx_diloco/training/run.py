@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..records import metrics_row, run_summary
+from ..records import META, OPTIONAL_META, PROGRESS, ROW, STOP, SavedArrays, metrics_row, run_summary
 from ..atomic import atomic_write_text
 from ..config import ConfigError, TrainConfig
 from ..data.datasets import BatchStream, ShardSampler, oversized_batch
@@ -193,7 +193,7 @@ class Run:
         self.ledger = ExchangeLedger(parse_link(config.link))
         self.steps_done = 0
         self.compute_s = 0.0     # measured compute time of one worker
-        self.waited_s = {"link_s": 0.0, "straggler_s": 0.0}  # before this process: a checkpoint's
+        self.waited_s = {ROW.link_s: 0.0, ROW.straggler_s: 0.0}  # before this process: a checkpoint's
         self._step_s = 0.0       # the last inner step's (a slow worker may wait out the first ticks)
         self._loss_sum, self._loss_count = self._no_train_losses()  # each local worker's, since the last evaluation
         self.wall_start = time.time()
@@ -368,11 +368,12 @@ class Run:
         job = self.pacing.member_count(tick.step)
         self.tokens_here += tokens
         trained = self.pacing.active(tick.step) or [True] * self.comm.n_local
-        return {"step": tick.step, "steps": c.steps, "loss": float(losses.mean().item()),
-                "worker_losses": [loss if t else None for loss, t in zip(tick.losses.tolist(), trained)],
-                "tokens_per_s": tokens / tick.seconds, "job_tokens_per_s": tokens * job / losses.size / tick.seconds,
-                "sync_s": self.comm.wait_s, "bytes_sent": self.ledger.bytes_sent, **self.time_spent(),
-                "memory_bytes": mx.get_active_memory(), "memory_limit_bytes": int(c.memory_limit * 1e9) or None}
+        return PROGRESS.check({
+            PROGRESS.step: tick.step, PROGRESS.steps: c.steps, PROGRESS.loss: float(losses.mean().item()),
+            PROGRESS.worker_losses: [loss if t else None for loss, t in zip(tick.losses.tolist(), trained)],
+            PROGRESS.tokens_per_s: tokens / tick.seconds, PROGRESS.job_tokens_per_s: tokens * job / losses.size / tick.seconds,
+            PROGRESS.sync_s: self.comm.wait_s, PROGRESS.bytes_sent: self.ledger.bytes_sent, **self.time_spent(),
+            PROGRESS.memory_bytes: mx.get_active_memory(), PROGRESS.memory_limit_bytes: int(c.memory_limit * 1e9) or None})
 
     def time_spent(self) -> dict:
         """Where this process's time went (seconds, over the job): computing its workers' inner steps,
@@ -383,10 +384,10 @@ class Run:
         gflops = rate and self.peak_gflops and self.flops_per_token * rate / 1e9
         if gflops and gflops > self.peak_gflops:  # the peak was measured while other work ran (utilisation.py)
             self.peak_gflops = peak_gflops(beaten_by=gflops)
-        return {"compute_s": self.compute_s * self.comm.n_local,
-                "link_s": self.waited_s["link_s"] + self.comm.wait_s - self.comm.straggler_s,
-                "straggler_s": self.waited_s["straggler_s"] + self.comm.straggler_s,
-                "mfu": mfu(self.flops_per_token, rate, self.peak_gflops) if rate is not None else None}
+        return {PROGRESS.compute_s: self.compute_s * self.comm.n_local,
+                PROGRESS.link_s: self.waited_s[ROW.link_s] + self.comm.wait_s - self.comm.straggler_s,
+                PROGRESS.straggler_s: self.waited_s[ROW.straggler_s] + self.comm.straggler_s,
+                PROGRESS.mfu: mfu(self.flops_per_token, rate, self.peak_gflops) if rate is not None else None}
 
     # ------------------------------------------------------------ membership
     def _change_membership(self, step: int):
@@ -451,8 +452,8 @@ class Run:
         path = Path(self.job.progress)
         progress = json.loads(path.read_text()) if path.exists() else {}
         members = self.pacing.member_slots(self.steps_done + 1)
-        atomic_write_text(path, json.dumps({**progress, "stopped": {"step": self.steps_done, "why": why,
-                                                                    "members": members, "time": time.time()}}))
+        stopped = STOP.check({STOP.step: self.steps_done, STOP.why: why, STOP.members: members, STOP.time: time.time()})
+        atomic_write_text(path, json.dumps({**progress, PROGRESS.stopped: stopped}))
 
     def _catch_up(self, joiners: list):
         """Bring every worker of a new ring to the same round: the joiners, and a worker whose saved
@@ -578,8 +579,8 @@ class Run:
             compute_s=self.compute_s, comm_s=ledger.comm_s, modelled_time_s=modelled, sync_wait_s=self.comm.wait_s,
             utilisation=self.compute_s * (1 - idle) / modelled if modelled else 1.0,
             idle_fraction=idle, worker_speeds=self.pacing.worker_speeds(),
-            measured_utilisation=spent["busy_s"] / (spent["busy_s"] + spent["link_s"] + spent["straggler_s"])
-            if spent["busy_s"] else 1.0, **spent, flops_per_token=self.flops_per_token, peak_gflops=self.peak_gflops,
+            measured_utilisation=spent[ROW.busy_s] / (spent[ROW.busy_s] + spent[ROW.link_s] + spent[ROW.straggler_s])
+            if spent[ROW.busy_s] else 1.0, **spent, flops_per_token=self.flops_per_token, peak_gflops=self.peak_gflops,
             wall_s=time.time() - self.wall_start, time=time.time(),
             peak_memory_bytes=int(self.peak_memory * 1e6), workers_per_process=self.comm.n_local,
             strategy=c.strategy, workers=c.workers, sync_every=self.strategy.sync_every, link=ledger.link.name,
@@ -591,10 +592,11 @@ class Run:
         (the mean of theirs, each against its own peak: on a machine the processes share, the share
         of the cores it may use)."""
         spent = self.time_spent()
-        mine = [spent["compute_s"], spent["link_s"], spent["straggler_s"], math.nan if spent["mfu"] is None else spent["mfu"]]
+        mine = [spent[PROGRESS.compute_s], spent[PROGRESS.link_s], spent[PROGRESS.straggler_s],
+                math.nan if spent[PROGRESS.mfu] is None else spent[PROGRESS.mfu]]
         every = np.array(self.comm.gather_metric(mx.array([mine] * self.comm.n_local)))
         busy, link, straggler, mfus = every.mean(axis=0).tolist()
-        return {"busy_s": busy, "link_s": link, "straggler_s": straggler, "mfu": None if math.isnan(mfus) else mfus}
+        return {ROW.busy_s: busy, ROW.link_s: link, ROW.straggler_s: straggler, ROW.mfu: None if math.isnan(mfus) else mfus}
 
     def _last_evaluation(self) -> int:
         """The step of the evaluation before this step's."""
@@ -608,17 +610,18 @@ class Run:
         rows = MetricsLog.read(self.run_dir / "metrics.jsonl") if self.reporter else []
         last = rows[-1] if rows else {}
         # the run's peak: the rows from before a resume hold the peaks of the processes before
-        peak = max([int(self.peak_memory * 1e6)] + [r.get("peak_memory_bytes", 0) for r in rows])
+        peak = max([int(self.peak_memory * 1e6)] + [r.get(ROW.peak_memory_bytes, 0) for r in rows])
         return run_summary(
             run_dir=str(self.run_dir), strategy=self.config.strategy, workers=self.config.workers,
-            steps=self.steps_done, parameters=self.n_params, final_eval_loss=last.get("eval_loss"),
-            tokens=last.get("tokens"), examples=last.get("examples"), tokens_per_shard=self.tokens_per_shard(),
+            steps=self.steps_done, parameters=self.n_params, final_eval_loss=last.get(ROW.eval_loss),
+            tokens=last.get(ROW.tokens), examples=last.get(ROW.examples), tokens_per_shard=self.tokens_per_shard(),
             examples_per_shard=self.examples_per_shard(), inner_steps_lost=self.pacing.lost_steps(self.steps_done),
             bytes_sent_per_worker=self.ledger.bytes_sent, peak_exchange_bytes=self.ledger.peak_bytes,
-            compute_s=self.compute_s, modelled_comm_s=self.ledger.comm_s, utilisation=last.get("utilisation"),
+            compute_s=self.compute_s, modelled_comm_s=self.ledger.comm_s, utilisation=last.get(ROW.utilisation),
             link=self.ledger.link.describe(),
-            **{k: last.get(k) for k in ("measured_utilisation", "busy_s", "link_s", "straggler_s", "mfu",
-                                        "flops_per_token", "peak_gflops")},
+            **{k: last.get(k) for k in (ROW.measured_utilisation, ROW.busy_s, ROW.link_s, ROW.straggler_s, ROW.mfu,
+                                        ROW.flops_per_token, ROW.peak_gflops)},
+            wall_s=time.time() - self.wall_start,
             peak_memory_bytes=peak, workers_per_process=self.comm.n_local,
             kernels=kernel_paths().describe(self.config.precision), inner_step=self.workers.describe(),
             **{k: last.get(k) for k in self.objective.summary_keys})
@@ -626,33 +629,33 @@ class Run:
     # ------------------------------------------------------------ checkpoints
     def state(self) -> tuple:
         """What a checkpoint keeps of the run, each part's state gathered here: (arrays, meta) in
-        checkpoint.py's schema (run_folder.META)."""
+        checkpoint.py's schema (records.CHECKPOINT, records.META)."""
         spent = self.time_spent()
-        arrays = {"workers": {"params": self.workers.params, "inner": self.workers.optimizer.state},
-                  "strategy": self.strategy.state()}
-        meta = {"config": self.config.to_dict(), "cursors": [s.state() for s in self.samplers],
-                "compute_s": self.compute_s, "worker_speeds": self.pacing.worker_speeds(),
-                "exchanges": self.ledger.state(), "waits_s": {k: spent[k] for k in self.waited_s},
-                "model_preset": self.spec.params if self.spec else None, "vocab_size": self.data.vocab_size,
-                "objective": self.objective.state()}
+        arrays = SavedArrays(self.workers.params, self.workers.optimizer.state, self.strategy.state()).arrays()
+        meta = {META.config: self.config.to_dict(), META.cursors: [s.state() for s in self.samplers],
+                META.compute_s: self.compute_s, META.worker_speeds: self.pacing.worker_speeds(),
+                META.exchanges: self.ledger.state(), OPTIONAL_META.waits_s: {k: spent[k] for k in self.waited_s},
+                META.model_preset: self.spec.params if self.spec else None, META.vocab_size: self.data.vocab_size,
+                OPTIONAL_META.objective: self.objective.state()}
         if self.job.ring_slots:
-            meta["membership"] = {"ring_slots": self.job.ring_slots,
-                                  "history": self.job.membership or self.config.membership}
+            meta[OPTIONAL_META.membership] = {"ring_slots": self.job.ring_slots,
+                                              "history": self.job.membership or self.config.membership}
         return arrays, meta
 
     def load_state(self, arrays: dict, meta: dict):
-        self.steps_done, self.compute_s = meta["step"], meta["compute_s"]
+        self.steps_done, self.compute_s = meta[META.step], meta[META.compute_s]
         # In the order of the trees they replace: a checkpoint reads back with its keys sorted, and
         # whatever walks a tree in order (SPARTA's flat indices) must find the same parameters.
-        self.workers.params = in_order_of(self.workers.params, arrays["workers"]["params"])
-        self.workers.optimizer.state = in_order_of(self.workers.optimizer.state, arrays["workers"]["inner"])
-        self.strategy.load_state(arrays.get("strategy", {}))
-        for sampler, cursor in zip(self.samplers, meta["cursors"]):
+        saved = SavedArrays.of(arrays)
+        self.workers.params = in_order_of(self.workers.params, saved.params)
+        self.workers.optimizer.state = in_order_of(self.workers.optimizer.state, saved.inner)
+        self.strategy.load_state(saved.strategy)
+        for sampler, cursor in zip(self.samplers, meta[META.cursors]):
             sampler.load_state(cursor)
-        self.pacing.resume_with(meta["worker_speeds"])
-        self.ledger.load_state(meta["exchanges"])
-        self.waited_s = meta.get("waits_s", self.waited_s)
-        self.objective.load_state(meta.get("objective") or {})
+        self.pacing.resume_with(meta[META.worker_speeds])
+        self.ledger.load_state(meta[META.exchanges])
+        self.waited_s = meta.get(OPTIONAL_META.waits_s, self.waited_s)
+        self.objective.load_state(meta.get(OPTIONAL_META.objective) or {})
 
     def save_checkpoint(self):
         # Weights not yet exchanged (other fragments', or with an exchange in flight) are checked here:
