@@ -12,6 +12,7 @@ from .cluster.launch_options import LaunchOptions
 from .cluster.protocol import DEFAULT_PORT
 from .dashboard.server import DEFAULT_PORT as DASHBOARD_PORT
 from .config import ConfigError, TrainConfig
+from .objectives.kinds import kind
 from .options import NumberOrAuto
 from .records import SUMMARY
 
@@ -248,7 +249,7 @@ def cmd_launch(args):
         mlx_file = MlxHostfile.read(args.hostfile) if args.hostfile else None  # its machines' agents, in its order
         found = [Found(h.agent_address, DEFAULT_PORT) for h in mlx_file.hosts] if mlx_file else found_agents(args)
         config = config_from_flags(args, defaults={"workers": len(found)})
-        if config.objective != "sft":  # its data's shards and a reward file's rule on the agents are to come
+        if kind(config.objective).post_training:  # its data's shards and a reward file's rule on the agents are to come
             raise ConfigError(f"launch --objective {config.objective} is not supported yet; train it with "
                               "'mlx-diloco sim' (docs/post-training.md)")
         options = LaunchOptions(**given_flags(args, "launch_keys"), discover=not (args.hosts or mlx_file))

@@ -5,6 +5,7 @@ import math
 from pathlib import Path
 
 from .config import ConfigError
+from .objectives.kinds import DEFAULT, kind
 from .records import ROW
 from .training.metrics import MetricsLog
 
@@ -21,8 +22,8 @@ def label(strategy: str, options: dict, config: dict) -> str:
         parts.append(f"{config.get('speed_policy', 'fixed')}-paced")
     if config.get("membership"):
         parts.append(f"members {config['membership']}")
-    if config.get("objective", "sft") != "sft":  # post-training (objectives/)
-        parts.append(config["objective"])
+    if kind(objective := config.get("objective", DEFAULT)).post_training:  # (objectives/)
+        parts.append(objective)
     return " ".join(parts)
 
 

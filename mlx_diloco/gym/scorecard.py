@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ..config import ConfigError, read_json
 from ..plot import amount_axis, label, loss_curves, save_figure
+from ..objectives.kinds import DEFAULT, kind
 from ..records import CARD, ROW, SUMMARY
 from ..training.metrics import MetricsLog, human_bytes
 
@@ -66,7 +67,7 @@ def scorecard(run_dir, problem=None, target_loss: float = None) -> dict:
         CARD.worker_spread: sum(spreads) / len(spreads) if spreads else 0.0,
         CARD.wall_s: last[ROW.wall_s], CARD.strategy_options: options,
         CARD.worker_speeds: config.get("worker_speeds", ""), CARD.speed_policy: config.get("speed_policy", "fixed"),
-        CARD.objective: config.get("objective", "sft"),
+        CARD.objective: config.get("objective", DEFAULT),
         **{k: v for key, start in ACCURACIES.items() if key in last for k, v in ((start, rows[0].get(key)), (key, last[key]))},
         **{key: last[key] for key in TOTALS if key in last},
     })
@@ -150,7 +151,7 @@ def describe(card: dict) -> str:
         f"  measured here: {time_spent(card)}",
         f"  sent per worker {fmt(card[c.bytes_sent_per_worker], 'bytes')}, largest exchange "
         f"{fmt(card[c.peak_exchange_bytes], 'bytes')}; worker spread (eval loss max - min) {card[c.worker_spread]:.4f}",
-    ] + [f"  {card[c.objective]}: {post_training(card)}"] * (card.get(c.objective, "sft") != "sft"))
+    ] + [f"  {card[c.objective]}: {post_training(card)}"] * kind(card.get(c.objective, DEFAULT)).post_training)
 
 
 def post_training(card: dict) -> str:

@@ -12,7 +12,7 @@ from ..data.datasets import EMBEDDED, FASHION_MNIST, is_fashion_mnist_folder, lo
 from ..data.post_training import load_post_training
 from ..models.finetune import adapted_blocks, check_fine_tune
 from ..models.zoo import build_model, import_builder, load_spec
-from ..objectives import check_model as check_objective_model
+from ..objectives import kind as objective_kind, objective_class
 from ..options import AUTO
 from ..strategies import make_strategy, strategy_class
 from ..strategies.outer_lr import DEFAULT_BEFORE_AUTO, with_outer_lr
@@ -75,10 +75,9 @@ def resolve(config: TrainConfig) -> Resolved:
         notes.append(f"num-layers {config.num_layers} is more than the model's {blocks} blocks: adapters on all "
                      f"{blocks}, as mlx-lm puts them")
         config = replace(config, num_layers=blocks)
-    check_objective_model(config, spec)
-    if config.objective == "grpo" and config.grpo_loss_type == "dr_grpo" and not config.scale_rewards:
-        notes.append("grpo-loss-type dr_grpo: advantages not divided by the group's reward std (scale-rewards "
-                     "none), as Dr. GRPO's paper has it; pass --scale-rewards group to keep it")
+    objective = objective_class(config.objective)
+    objective.check_model(config, spec)
+    notes += objective.notes(config)
     strategy.check_model(spec, adapted_blocks(config, spec.num_blocks))  # adapters: what the strategy exchanges
     if config.seq_len == 0 and spec.is_language_model and not arrays:
         config = replace(config, seq_len=min(spec.context_length, DEFAULT_MAX_SEQ_LEN))
@@ -93,8 +92,8 @@ def load_data(config: TrainConfig, spec, log=print, shard_dir=None):
     tokenizer = config.tokenizer or (str(spec.path) if spec.path else "")
     if shard_dir:
         data = load_shard(shard_dir)
-    elif config.objective != "sft":  # preference pairs or prompts (objectives/)
-        data = load_post_training(config.objective, config.data, tokenizer, config.seq_len,
+    elif (objective := objective_kind(config.objective)).post_training:  # preference pairs or prompts
+        data = load_post_training(objective.name, config.data, tokenizer, config.seq_len,
                                   config.max_completion_length, log)
     else:
         data = prepare(config.data, config.seq_len, spec.vocab_size or 0, tokenizer, log=log,

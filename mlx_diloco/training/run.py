@@ -37,6 +37,7 @@ from ..models.precision import to_bf16
 from ..memory import model_shape
 from ..models.zoo import count_parameters
 from ..objectives import make_objective
+from ..objectives.base import Context
 from ..objectives.rewards import RewardError
 from ..run_folder import check_new_run_dir, latest_step
 from ..utilisation import flops_per_token, mfu, peak_gflops
@@ -187,6 +188,8 @@ class Run:
             log(note)
         self.eval_batches = self.objective.eval_batches(
             self.workers, self.data.eval_batches(config.batch_size, config.eval_batches))
+        # What the objective may use of the run (objectives/base.py)
+        self.context = Context(self.workers, comm, self.slots, reporter, self.global_params, self.eval_batches)
         if parts.loss is not None:  # a user's loss, tried on one batch before the run folder exists
             with memory_limit(config.memory_limit):
                 check_loss(parts.loss, model, *self.eval_batches[0])
@@ -294,7 +297,7 @@ class Run:
         active = self.pacing.active(tick.step)
         if active is None or any(active):  # else this process's workers wait out the tick
             with self._stop_on_reward_error(tick.step):  # the objective's batch (GRPO: rollouts, rewards)
-                x, y = self.objective.batch(self, x, y, tick)
+                x, y = self.objective.batch(self.context, x, y, tick)
             with self._stop_on_non_finite(tick.step):
                 tick.losses = self.workers.step(x, y, self.strategy, tick.step, active)
             tick.seconds = time.perf_counter() - t0
@@ -560,7 +563,7 @@ class Run:
         train_losses = None if train_losses is None else self.comm.gather_metric(train_losses)
         self.peak_memory = self._peak_memory()
         spent = self._job_time_spent()
-        objective = self.objective.report(self)  # every process: it gathers the workers' values
+        objective = self.objective.report(self.context)  # every process: it gathers the workers' values
         if not self.reporter:
             return
         global_loss = self.workers.eval_params(self.global_params(), self.eval_batches)
