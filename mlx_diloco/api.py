@@ -38,11 +38,10 @@ from .models.zoo import build_model, load_spec
 from .options import did_you_mean, from_dict
 from .records import META, SUMMARY
 from .strategies import Strategy, make_strategy
-from .strategies.outer_lr import with_outer_lr
 from .training import checkpoint
 from .training.metrics import MetricsLog
 from .training.processes import choose_processes, run_processes, simulate
-from .training.resolve import Parts
+from .training.resolve import Parts, strategy_for_job
 from .training.run import Run
 from .training.workers import check_loss
 
@@ -152,11 +151,11 @@ class Trainer:
         exits); `resume` continues a run there. `processes`: K processes of workers/K replicas (0:
         as `sim` chooses, where the model can be rebuilt). `callbacks`: TrainingCallbacks that hear
         the run's reports (training/callbacks.py; they keep the run in this process)."""
-        workers = self.config.workers if workers is None else workers
-        strategy = with_outer_lr(as_strategy(strategy), workers)  # outer-lr auto: the run records its number
-        config = replace(self.config, workers=workers,
+        strategy = as_strategy(strategy)
+        config = replace(self.config, workers=self.config.workers if workers is None else workers,
                          steps=self.config.steps if steps is None else steps, strategy=strategy.name,
                          strategy_options=strategy.options())
+        strategy, config = strategy_for_job(strategy, config)  # auto options: the run records their numbers
         config.check_values()  # and against the strategy: where the run gets it (Run, or resolve in processes)
         if self.data_path is not None:
             return self.fit_from_files(config, self.folder(run_dir, strategy), processes, resume, callbacks)

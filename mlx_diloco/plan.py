@@ -95,7 +95,7 @@ def print_plan(given: dict, model: str = None, params: float = None, links: list
         params = (shape.trainable if adapters else shape.parameters) if shape else 7e9
     links = [l if isinstance(l, Link) else parse_link(l) for l in links] if links else list(LINKS.values())
     options, workers, step_time, H = strategy.options(), config.workers, config.step_time, strategy.sync_every
-    P, tau = options["fragments"], options["overlap_steps"]
+    P, tau = strategy.sync_pieces, strategy.schedule.delay
     rows = plan(params, options["compress"], workers, H, step_time, links, total_steps, P, tau)
     codec = get_codec(options["compress"])
     algorithm, _, payload, sent = exchange_plan(codec, int(params), workers)

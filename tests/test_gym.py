@@ -110,7 +110,7 @@ def test_time_paced_workers_take_the_steps_that_fit(tmp_path):
     config = TrainConfig.from_dict(dict(TINY, workers=2, steps=8, sync_every=4, worker_speeds="1,0.5",
                                         speed_policy="time", step_time=0.1, warmup=0))
     run = Run(config, tmp_path / "t", SimCommunicator(2), log=lambda m: None)
-    assert run.strategy.sync_weights == pytest.approx([4 / 3, 2 / 3])
+    assert run.pacing.inputs_at(4).sync_weights == pytest.approx([4 / 3, 2 / 3])
     before = {k: np.array(v) for k, v in tree_flatten(run.workers.params)}
     run.train(stop_after=1)  # tick 1: only the fast worker steps
     after = dict(tree_flatten(run.workers.params))

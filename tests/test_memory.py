@@ -205,7 +205,7 @@ def test_the_offloaded_global_model_is_built_one_fragments_values_at_a_time():
     model = build_model(spec)
     model.set_dtype(mx.bfloat16)  # a bf16 model keeps fp32 global values
     params = model.trainable_parameters()
-    strategy = DiLoCo(fragments=8, offload_outer=True).bind(SimCommunicator(1), steps=10)
+    strategy = DiLoCo(fragments=8, offload_outer=True).for_job(1, 10).bind(SimCommunicator(1), steps=10)
     strategy.setup(params)
     fp32 = 4 * sum(v.size for _, v in tree_flatten(params))
     del model, params
@@ -223,7 +223,7 @@ def test_a_sync_handed_the_parameters_frees_each_old_value_as_its_new_one_lands(
     elsewhere, a sync holds one model's values, not the old and the new one together."""
     model = build_model(load_spec("small"))
     model.set_dtype(mx.bfloat16)
-    strategy = DiLoCo(sync_every=1, fragments=5).bind(SimCommunicator(1), steps=10)
+    strategy = DiLoCo(sync_every=1, fragments=5).for_job(1, 10).bind(SimCommunicator(1), steps=10)
     strategy.setup(model.trainable_parameters())
 
     def stacked():  # the workers' own copy (stack_copies alone would be a view of the model's arrays)

@@ -15,7 +15,7 @@ def global_losses(options, peak=0.02, workers=8, H=50, steps=250, n=2000, seed=0
     they reach the noise floor within the run, at AdamW's 1e-3 they do not."""
     rng = np.random.default_rng(seed)
     curvature = np.exp(rng.uniform(np.log(0.1), np.log(10), n))
-    strategy = MuLoCo(sync_every=H, compress="fp32", **options).bind(SimCommunicator(workers), steps)
+    strategy = MuLoCo(sync_every=H, compress="fp32", **options).for_job(workers, steps).bind(SimCommunicator(workers), steps)
     start = rng.normal(size=n).astype(np.float32)
     strategy.setup({"w": mx.array(start)})
     params, losses = np.repeat(start[None], workers, axis=0), []

@@ -98,14 +98,28 @@ class JobState:
 RESTARTS = ("membership_change", "restarted")  # events whose total_s is time the job did not train
 
 
-def sync_grid(config: dict) -> int:
-    """Every how many steps the job's workers sync, with the strategy's default H when not given
-    (0: every step, or when workers report (quorum rounds): a blocked worker is in an exchange).
-    Streaming fragments' staggered syncs are not on it: a worker blocked in one shows as waiting."""
+def job_strategy(config: TrainConfig):
+    """The strategy a job's config names, as its workers build it (its options as resolved)."""
     from ..strategies import make_strategy  # (MLX, on call: the launcher's planning imports without it)
-    c = TrainConfig.from_dict(config)
-    strategy = make_strategy(c.strategy, c.strategy_options)
+    return make_strategy(config.strategy, config.strategy_options)
+
+
+def grid_of(strategy) -> int:
+    """Every how many steps the job's workers sync (0: every step, or when workers report (quorum
+    rounds): a blocked worker is in an exchange). Streaming fragments' staggered syncs are not on
+    it: a worker blocked in one shows as waiting."""
     return strategy.sync_every if strategy.syncs_every_h else 0
+
+
+def sync_grid(config: dict) -> int:
+    """grid_of the strategy a job's config (a dict, as launch.json keeps it) names, with its default H
+    when not given."""
+    return grid_of(job_strategy(TrainConfig.from_dict(config)))
+
+
+def is_elastic(strategy) -> bool:
+    """Whether workers may come and go between the strategy's syncs, which fall every H steps."""
+    return strategy.steps_can_differ and bool(strategy.sync_every) and strategy.syncs_every_h
 
 
 class JobFailed(Exception):
@@ -242,10 +256,12 @@ def dry_run(found: list, secret: bytes, workers: int, backend_flag: str, mlx_fil
 
 
 class Launcher:
-    def __init__(self, state: JobState, run_dir: Path, secret: bytes, log=print):
+    def __init__(self, state: JobState, run_dir: Path, secret: bytes, log=print, strategy=None):
+        """`strategy`: the job's, as resolve built it (else built here from launch.json's config)."""
         self.state, self.run_dir, self.secret, self.log = state, Path(run_dir), secret, log
         self.options = LaunchOptions(**state.options)
         self.config = TrainConfig.from_dict(state.config)  # the job's config over all its slots, parsed once
+        self.strategy = strategy or job_strategy(self.config)  # asked what it needs (built once)
         self.clients = {}
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.exchanges = MetricsLog(self.run_dir / "exchanges.jsonl")  # rank 0's, mirrored as its metrics are
@@ -253,7 +269,7 @@ class Launcher:
         self.restart_s = sum(e[EVENT.total_s] for e in self._events() if e[EVENT.event] in RESTARTS)
         self.status = run_status.StatusWriter(self.run_dir, "launch")  # what the dashboard shows of each worker
         self.step_rate, self.shown, self.offered = run_status.StepRate(), {}, {}
-        self.sync_grid = SyncSchedule(sync_grid(state.config))
+        self.sync_grid = SyncSchedule(grid_of(self.strategy))
         self.last_steps = {}      # each worker's last reported step: where a lost one left
         self.pending_join = None  # a machine admitted at the next sync point
         self.discovered = queue.SimpleQueue()  # agents that appeared on mDNS (discovery.watch's thread)
@@ -270,8 +286,7 @@ class Launcher:
         config = resolved.config  # the workers are sent it as resolved: the launcher says its notes
         for note in resolved.notes:
             log(f"[launch] {note}")
-        s = resolved.strategy  # elastic: workers may come and go between syncs that fall every H steps
-        elastic = s.steps_can_differ and bool(s.sync_every) and s.syncs_every_h
+        elastic = is_elastic(resolved.strategy)
         grown, history = with_room_to_grow(config, options.max_workers, elastic)
         if (run_dir / "launch.json").exists():
             raise ConfigError(f"{run_dir} already holds a job; pass --resume to continue it, or another --run-dir")
@@ -297,7 +312,7 @@ class Launcher:
                          for f in parse_hosts(options.add, protocol.DEFAULT_PORT)]
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
-        launcher = cls(state, run_dir, secret, log)
+        launcher = cls(state, run_dir, secret, log, strategy=resolved.strategy)
         if not options.data_on_workers:
             launcher.write_shards(config)
         state.save(run_dir)
@@ -408,7 +423,7 @@ class Launcher:
         held = {m.worker_id: set(self.client(m).request("checkpoints", job=self.state.job)["steps"]
                                  .get(str(m.worker_id), []))
                 for m in self.state.members if m.worker_id not in self.state.joining}
-        if self.state.config.get("overlap_steps"):
+        if self.strategy.schedule.delay:  # exchanges in flight across steps
             common = set.intersection(*held.values()) if held else set()
             held = {w: common for w in held}
         if not all(held.values()):
@@ -590,7 +605,7 @@ class Launcher:
                    STATUS.state: "lost" if m.lost else "waiting"}
                   for m in self.state.spares]
         step = min((r[STATUS.step] for r in rows if r.get(STATUS.step) is not None), default=0)
-        self.status.write(step, self.state.config["steps"], rows + spares, force=force)
+        self.status.write(step, self.config.steps, rows + spares, force=force)
 
     def _row(self, m: Member, status) -> dict:
         """A member's row from its poll (None: its agent did not answer), over what it reported before."""
@@ -659,7 +674,7 @@ class Launcher:
         elif lost:
             self._wait_for(lost)
         step = self._common_checkpoint()
-        if step == self.state.config["steps"]:  # every worker holds the final checkpoint: nothing to redo
+        if step == self.config.steps:  # every worker holds the final checkpoint: nothing to redo
             self._mirror_all()
             self.event("finished", step=step)
             return True
@@ -754,7 +769,7 @@ class Launcher:
 
     def _record(self, step: int, what: str):
         """Add `step:what` to the job's membership history, in step order."""
-        history = (self.state.membership or self.state.config.get("membership")
+        history = (self.state.membership or self.config.membership
                    or f"0:{self.state.num_shards}").split(",")
         at = next((i for i, e in enumerate(history) if int(e.split(":")[0]) > step), len(history))
         self.state.membership = ",".join(history[:at] + [f"{step}:{what}"] + history[at:])
@@ -783,9 +798,9 @@ class Launcher:
 
     def _can_admit(self) -> bool:
         """Whether the job admits machines mid-run: not with a planned schedule (it decides who joins
-        when), nor with exchanges in flight across steps or error feedback (a joiner has no part in them)."""
-        c = self.state.config
-        return not (c.get("membership") or c.get("overlap_steps") or c.get("error_feedback"))
+        when), nor when each worker keeps state of its own (exchanges in flight across steps, error
+        feedback: a joiner could take no part in it)."""
+        return not (self.config.membership or self.strategy.own_state)
 
     def _ready_to_join(self, m: Member) -> bool:
         """Whether machine `m` answers, runs this version and holds the model. A machine that answers
@@ -796,7 +811,7 @@ class Launcher:
             agent = client.hello()
             if self.options.backend == "jaccl" and (why := machine_problem(agent)):
                 raise ConfigError(f"--backend jaccl: {why}")
-            if hub.names_files(self.state.config["model"]) and not has_model(client, self.state.config["model"]):
+            if hub.names_files(self.config.model) and not has_model(client, self.config.model):
                 return False
             client.request("stop", job=self.state.job)  # a worker of this job still running there (it slept)
         except ConfigError as e:
@@ -824,7 +839,7 @@ class Launcher:
         if joiner:
             self._record(step, f"+{joiner.worker_id}")
             self._join(joiner)
-        elif self.state.config.get("membership"):  # (else a join asked for before a launcher restart: looked for again)
+        elif self.config.membership:  # (else a join asked for before a launcher restart: looked for again)
             planned = set(next(iter(stopped.values()))[STOP.members])
             for m in [m for m in self.state.members if m.worker_id not in planned]:
                 self.state.members.remove(m)
@@ -852,9 +867,9 @@ class Launcher:
         """Start the ring of the members from their own states (True: they had all finished)."""
         self.state.save(self.run_dir)
         steps = self._own_states()
-        if all(s == self.state.config["steps"] for w, s in steps.items() if w not in self.state.joining):
+        if all(s == self.config.steps for w, s in steps.items() if w not in self.state.joining):
             self._mirror_all()
-            self.event("finished", step=self.state.config["steps"])
+            self.event("finished", step=self.config.steps)
             return True
         self.state.change["redone_steps"] = {str(w): self.last_steps.get(w, 0) - s for w, s in steps.items()
                                              if s is not None and w in self.last_steps}

@@ -15,7 +15,7 @@ from ..models.zoo import build_model, import_builder, load_spec
 from ..objectives import kind as objective_kind, objective_class
 from ..options import AUTO
 from ..strategies import make_strategy, strategy_class
-from ..strategies.outer_lr import DEFAULT_BEFORE_AUTO, with_outer_lr
+from ..strategies.outer_lr import DEFAULT_BEFORE_AUTO
 from . import checkpoint
 
 
@@ -36,6 +36,17 @@ def as_it_ran(config: TrainConfig) -> TrainConfig:
     return replace(config, strategy_options={**config.strategy_options, "outer_lr": DEFAULT_BEFORE_AUTO})
 
 
+def strategy_for_job(strategy, config: TrainConfig) -> tuple:
+    """(the strategy with its `auto` options given their numbers for the config's job, the config recording
+    them): the one call that works them out (Strategy.for_job), for the config's workers and steps."""
+    job = strategy.for_job(config.workers, config.steps)
+    given, worked_out = strategy.options(), job.options()
+    if worked_out != given:  # recorded as the numbers
+        config = replace(config, strategy_options={**config.strategy_options,
+                                                   **{k: v for k, v in worked_out.items() if v != given[k]}})
+    return job, config
+
+
 @dataclass
 class Resolved:
     """What a config names, built and checked together once (`resolve`)."""
@@ -50,10 +61,7 @@ def resolve(config: TrainConfig) -> Resolved:
     works from any directory; seq-len 0 replaced by the model's context; outer-lr auto replaced by
     its number), with its strategy and model spec, each checked against the others. The strategy
     first: a misspelled option is the first thing said, before a model or data is looked for."""
-    strategy = make_strategy(config.strategy, config.strategy_options)  # its options: names, types, ranges
-    if (resolved := with_outer_lr(strategy, config.workers)) is not strategy:  # recorded as the number
-        strategy = resolved
-        config = replace(config, strategy_options={**config.strategy_options, "outer_lr": strategy.outer_lr})
+    strategy, config = strategy_for_job(make_strategy(config.strategy, config.strategy_options), config)
     config.check_strategy(strategy)
 
     def absolute(path: str, names=()):

@@ -315,9 +315,8 @@ class Run:
         evaluate = t % self.eval_every == 0 or t == c.steps
         # The local models are evaluated before the outer step replaces them with the global one.
         worker_losses = self._worker_losses(t) if evaluate else None
-        self.pacing.weigh_sync(t)
         with self._stop_on_non_finite(t):
-            self.workers.params = self.strategy.after_step(self.workers.take_params(), t)
+            self.workers.params = self.strategy.after_step(self.workers.take_params(), t, self.pacing.inputs_at(t))
         self.pacing.after_tick(t, self.compute_s)  # after the sync: the first round's, every worker stepped in it
         self._change_membership(t)
         # With overlap, only the time its overlapped inner steps do not hide counts.
