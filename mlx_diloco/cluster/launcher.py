@@ -12,7 +12,7 @@
    (or resumes from the one it saved before the exchange it waits in), and a new ring of the machines
    that remain starts from those states: nobody loses the inner steps they took but the lost worker.
    A machine that answers again, or one named with --add, joins at the next sync point, taking the
-   job's state from a member over the ring (`Run._admit_joiners`). Below --min-workers (all of them
+   job's state from a member over the ring (training/elastic.py). Below --min-workers (all of them
    with `--on-loss wait`) the job waits for its lost machines. Other strategies restart every worker
    from the newest checkpoint they all hold.
 

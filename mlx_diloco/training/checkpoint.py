@@ -77,6 +77,17 @@ def save(folder: Path, step: int, arrays: dict, meta: dict):
         old.with_suffix(".safetensors").unlink(missing_ok=True)
 
 
+def in_order_of(tree, saved):
+    """`saved`, its dicts' keys in the order `tree` has them (a checkpoint reads back sorted, and
+    whatever walks a tree in order, SPARTA's flat indices, must find the same parameters)."""
+    if isinstance(saved, dict) and isinstance(tree, dict):
+        keys = [k for k in tree if k in saved] + [k for k in saved if k not in tree]
+        return {k: in_order_of(tree.get(k), saved[k]) for k in keys}
+    if isinstance(saved, (list, tuple)) and isinstance(tree, (list, tuple)) and len(saved) == len(tree):
+        return type(saved)(in_order_of(t, v) for t, v in zip(tree, saved))
+    return saved
+
+
 def _read(folder: Path, step: int):
     meta = read_meta(folder, step)
     flat = mx.load(str(folder / f"ckpt-{step}.safetensors"))

@@ -20,8 +20,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..records import META, OPTIONAL_META, PROGRESS, ROW, STOP, SavedArrays, metrics_row, run_summary
-from ..atomic import atomic_write_text
+from ..records import META, OPTIONAL_META, PROGRESS, ROW, SavedArrays, metrics_row, run_summary
 from ..config import ConfigError, TrainConfig
 from ..data.datasets import BatchStream, ShardSampler, oversized_batch
 from ..exchange.comm import Communicator, NonFiniteValues
@@ -43,31 +42,14 @@ from ..run_folder import check_new_run_dir, latest_step
 from ..utilisation import flops_per_token, mfu, peak_gflops
 from ..worker_job import WorkerJob
 from . import checkpoint
+from .checkpoint import in_order_of
+from .clock import RunClock
+from .elastic import Elastic, StoppedForChange  # noqa: F401 (StoppedForChange: the worker catches it)
 from .callbacks import Loggers, MetricsFile, ProgressBar, ProgressFile, StatusFile, check_loggers
 from .metrics import MetricsLog
 from .pacing import Pacing
 from .resolve import Parts, parts_from_config, resolve, saved_config
 from .workers import Workers, check_loss
-
-
-class StoppedForChange(Exception):
-    """This worker saved its state for a membership change; the launcher starts the job's next ring."""
-
-
-class StopRequests:
-    """What the launcher asks of an elastic cluster worker, in a JSON file its agent writes:
-    {"stop": "now"}: save at the end of this step and exit (a member was lost: the others keep their
-    steps); {"stop": "at_sync", "after": T}: the same at the first sync point from step T on (a
-    machine joins there)."""
-
-    def __init__(self, path):
-        self.path = Path(path)
-
-    def asked(self) -> dict:
-        try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError):  # none yet (or being written: read again next step)
-            return {}
 
 
 @contextmanager
@@ -107,16 +89,6 @@ def convert_model(model, config: TrainConfig):
     if config.grad_checkpoint and not checkpoint_blocks(model):
         raise ConfigError("grad-checkpoint needs a model of transformer blocks (paths h.N or layers.N); "
                           "drop --grad-checkpoint")
-
-
-def in_order_of(tree, saved):
-    """`saved`, its dicts' keys in the order `tree` has them (a checkpoint reads back sorted)."""
-    if isinstance(saved, dict) and isinstance(tree, dict):
-        keys = [k for k in tree if k in saved] + [k for k in saved if k not in tree]
-        return {k: in_order_of(tree.get(k), saved[k]) for k in keys}
-    if isinstance(saved, (list, tuple)) and isinstance(tree, (list, tuple)) and len(saved) == len(tree):
-        return type(saved)(in_order_of(t, v) for t, v in zip(tree, saved))
-    return saved
 
 
 def mean_of_numbers(values: list) -> float:
@@ -194,8 +166,7 @@ class Run:
             with memory_limit(config.memory_limit):
                 check_loss(parts.loss, model, *self.eval_batches[0])
         self.ledger = ExchangeLedger(parse_link(config.link))
-        self.steps_done = 0
-        self.compute_s = 0.0     # measured compute time of one worker
+        self.clock = RunClock()  # steps done, compute time
         self.waited_s = {ROW.link_s: 0.0, ROW.straggler_s: 0.0}  # before this process: a checkpoint's
         self._step_s = 0.0       # the last inner step's (a slow worker may wait out the first ticks)
         self._loss_sum, self._loss_count = self._no_train_losses()  # each local worker's, since the last evaluation
@@ -208,9 +179,12 @@ class Run:
             self._restore()
         elif reporter:  # everything checked out: only now create the run folder
             self._create_run_folder()
-        if job.ring_slots:  # an elastic cluster's ring
-            self._catch_up(job.joiners or [])
-        self.stop_requests = StopRequests(job.control) if job.control else None
+        # An elastic cluster's ring (training/elastic.py): its workers brought to one round as it starts.
+        self.elastic = Elastic(job, comm, self.pacing, self.strategy, self.workers, self.ledger, self.clock,
+                               self.samplers, self.data_workers, config.batch_size, self.checkpoint_dir,
+                               snapshot=self.state, log=log) if job.ring_slots else None
+        if self.elastic:
+            self.elastic.start()
         self.callbacks = self._own_callbacks(resume) + list(callbacks or [])
 
     @classmethod
@@ -220,6 +194,23 @@ class Run:
         comm = init_ring(job.collective_timeout, job.workers_per_process, job.backend)
         return cls(job.train_config, job.run_dir, comm, reporter=comm.local_workers[0] == 0,
                    resume=job.resume_step is not None, log=log, job=job)
+
+    @property
+    def steps_done(self) -> int:
+        return self.clock.steps
+
+    @steps_done.setter
+    def steps_done(self, steps: int):
+        self.clock.steps = steps
+
+    @property
+    def compute_s(self) -> float:
+        """Measured compute time of one worker."""
+        return self.clock.compute_s
+
+    @compute_s.setter
+    def compute_s(self, seconds: float):
+        self.clock.compute_s = seconds
 
     def _samplers(self, num_shards: int) -> list:
         """Each local worker's cursor in its shard of the training data (batches given one by one:
@@ -263,10 +254,6 @@ class Run:
             self._report("on_train_begin", {"step": self.steps_done, "steps": self.config.steps})
             try:
                 while self.steps_done < self.config.steps:
-                    if self.stop_requests and (why := self._why_stop()):
-                        self.save_local_state()
-                        self._report_stop(why)
-                        raise StoppedForChange(why)
                     self.step()
                     if stop_after is not None and self.steps_done >= stop_after:
                         break
@@ -281,8 +268,8 @@ class Run:
     def step(self, batch=None):
         """One tick of the job. `batch`: this process's (x, y), each with a leading axis over its
         workers (default: the next batch of each worker's shard)."""
-        if self.stop_requests and self._meets_peers(self.steps_done + 1):
-            self.save_local_state()  # a peer lost in the exchange ahead must not cost this worker its round
+        if self.elastic:  # an elastic cluster's worker: it may stop here for a membership change
+            self.elastic.before_tick(meets_peers=self._meets_peers(self.steps_done + 1))
         self.end_step(self.inner_step(batch))
 
     def inner_step(self, batch=None) -> Tick:
@@ -394,14 +381,13 @@ class Run:
     # ------------------------------------------------------------ membership
     def _change_membership(self, step: int):
         """Report the workers that leave or join at `step`; joiners take the global model and a
-        member's inner optimizer state (membership.py), and step from the next step. On an elastic
-        cluster a new ring makes the change (`_why_stop`, `_admit_joiners`)."""
+        member's inner optimizer state (membership.py), and step from the next step."""
         changes = self.pacing.changes_between(step - 1, step)
         if self.reporter:
             for change in changes:
                 self.log(change.describe())
         joining = [c.worker for c in changes if c.joined]
-        if joining and not self.stop_requests:
+        if joining and not self.elastic:  # (on an elastic cluster a new ring makes the change)
             self.workers.admit([w in joining for w in self.comm.local_workers], self.global_params(),
                                self._inner_state_of(self.pacing.peer(step)))
 
@@ -413,92 +399,11 @@ class Run:
         row = self.comm.all_gather({"state": buffer}, tag="a joiner's inner optimizer state")["state"][worker]
         return dict(tree_flatten(unflatten(row, shapes)))
 
-    # ------------------------------------------------------------ an elastic cluster's membership changes
-    def _why_stop(self) -> str:
-        """Why this cluster worker saves its state and exits after the step it just took, if it does:
-        a change the schedule plans, or the launcher's request ('' when it goes on)."""
-        t, asked = self.steps_done, self.stop_requests.asked()
-        if self._ring_is_behind():
-            return f"step {t}: the membership schedule changes the ring"
-        if asked.get("stop") == "now":
-            return f"step {t}: stopped by the launcher (a member was lost)"
-        if asked.get("stop") == "at_sync" and t >= asked["after"] and self.pacing.is_sync_point(t):
-            return f"step {t}: stopped by the launcher at a sync point (a machine joins)"
-        return ""
-
-    def _ring_is_behind(self) -> bool:
-        """Whether the schedule plans a change the ring does not hold yet: a join admitted at this step,
-        or a leave at the next."""
-        ring = set(self.job.ring_slots or self.slots)
-        return any((c.worker in ring) != c.joined for c in self.pacing.ring_changes(self.steps_done))
-
     def _meets_peers(self, step: int) -> bool:
         """Whether `step` waits on the other workers: an exchange starts or lands, or an evaluation
         or a checkpoint gathers them."""
         return (self.pacing.exchanges_at(step) or step % self.eval_every == 0 or step == self.config.steps
                 or step % self.checkpoint_every == 0)
-
-    def save_local_state(self):
-        """This worker's own state (weights, moments, data cursor, the global model and outer state,
-        an exchange in flight) on its own disk, with no collective: a peer may be gone. What it resumes
-        from after a membership change, so it keeps the inner steps it took."""
-        if latest_step(self.checkpoint_dir) != self.steps_done:
-            arrays, meta = self.state()
-            checkpoint.save(self.checkpoint_dir, self.steps_done, arrays, meta)  # empties `arrays` as it writes
-
-    def _report_stop(self, why: str):
-        """Tell the launcher (through the progress file its agent reads) where this worker stopped and
-        who the members are from the next step on."""
-        if not self.job.progress:
-            return
-        path = Path(self.job.progress)
-        progress = json.loads(path.read_text()) if path.exists() else {}
-        members = self.pacing.member_slots(self.steps_done + 1)
-        stopped = STOP.check({STOP.step: self.steps_done, STOP.why: why, STOP.members: members, STOP.time: time.time()})
-        atomic_write_text(path, json.dumps({**progress, PROGRESS.stopped: stopped}))
-
-    def _catch_up(self, joiners: list):
-        """Bring every worker of a new ring to the same round: the joiners, and a worker whose saved
-        state is from before a sync that another's includes (it died after that exchange, before its
-        checkpoint), take the job's state from a member (`_admit_joiners`); else the ring would pair
-        its exchanges with other ones. Every process of the ring takes part."""
-        steps = [int(s) for s in self.comm.gather_metric(mx.full((self.comm.n_local,), self.steps_done))]
-        behind = [slot for slot, step in zip(self.job.ring_slots, steps)
-                  if any(self.pacing.is_sync_point(t) for t in range(step + 1, max(steps) + 1))]
-        for slot, step in zip(self.job.ring_slots, steps):
-            if slot in behind and slot not in joiners and slot in self.slots:
-                self.log(f"worker {slot}'s state (step {step}) is from before a sync the others took: it takes "
-                         "the job's state from a member")
-        if behind or joiners:
-            self._admit_joiners(sorted(set(behind) | set(joiners)))
-
-    def _admit_joiners(self, joiners: list):
-        """Slots joining at this start take, over the ring from the lowest-numbered member (not from
-        any disk: the launching Mac may hold nothing), the global model and outer optimizer state,
-        that member's inner optimizer state, the step and the run's counters; and their shard's cursor
-        where the slot's last worker left it. Every process of the ring takes part."""
-        ring = self.job.ring_slots
-        if self.strategy.own_state:
-            raise ConfigError(f"a worker cannot join a {self.strategy.name} job whose workers each keep "
-                              f"{self.strategy.own_state} of their own; start the job with every worker, or without it")
-        peer = ring.index(min(set(ring) - set(joiners)))
-        clock = {"counts": mx.array([self.steps_done, self.ledger.bytes_sent, self.ledger.peak_bytes], mx.int64),
-                 "seconds": mx.array([self.compute_s, self.ledger.comm_s], mx.float32)}
-        got = self.comm.broadcast({"strategy": self.strategy.state(), "inner": self.workers.optimizer.state,
-                                   "clock": clock}, source=peer)
-        if not set(self.slots) & set(joiners):
-            return
-        sent = sum(v.nbytes for _, v in tree_flatten(got))
-        self.strategy.load_state(got["strategy"])
-        self.workers.optimizer.state = in_order_of(self.workers.optimizer.state, got["inner"])
-        self.workers.admit([True] * self.comm.n_local, self.global_params(), {})
-        self.steps_done, self.ledger.bytes_sent, self.ledger.peak_bytes = got["clock"]["counts"].tolist()
-        self.compute_s, self.ledger.comm_s = got["clock"]["seconds"].tolist()
-        taken = self.pacing.steps_taken(self.steps_done)
-        for sampler, slot in zip(self.samplers, self.data_workers):
-            sampler.seek(taken[slot] * self.config.batch_size)
-        self.log(f"worker {self.slots[0]} joined at step {self.steps_done}, from worker {ring[peer]}'s state "
-                 f"({sent:,} bytes over the ring)")
 
     def _by_slot(self, values: list) -> list:
         """One value per slot, NaN where no member is, from one per ring worker (an elastic cluster's)."""
