@@ -232,6 +232,7 @@ def cmd_discover(args):
 
 def cmd_launch(args):
     from .cluster.launcher import JobFailed, JobState, Launcher
+    from .cluster.supervisor import Supervisor
     from .gym.scorecard import time_spent
     from .cluster.protocol import load_secret
     secret = load_secret(secret_file=args.secret_file)
@@ -263,7 +264,7 @@ def cmd_launch(args):
                          f"--run-dir {launcher.run_dir}")
     start_dashboard(args, launcher.run_dir, secret)
     try:
-        s = launcher.run(resume=args.resume)
+        s = Supervisor(launcher).run(resume=args.resume)  # the job's life after its start
     except JobFailed as e:
         raise ConfigError(f"job failed: {e}")
     print(f"\njob {s[SUMMARY.job]} in {s[SUMMARY.run_dir]}: {s[SUMMARY.workers]} workers, {s[SUMMARY.steps]} steps, "

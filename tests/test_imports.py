@@ -23,7 +23,7 @@ FACADE = "mlx_diloco"
 # Imported without MLX: what the agent, discover and the launcher's planning run on (a Mac's agent stays small).
 MLX_FREE = ["options", "atomic", "blas", "objectives.kinds", "config", "mlx_lm_config", "hub", "speeds", "membership", "run_folder", "run_status", "records", "schedule", "worker_job", "memory", "utilisation",
             "exchange.network", "exchange.ledger", "cluster.agent", "cluster.discovery", "cluster.protocol",
-            "cluster.hostinfo", "cluster.launcher", "cluster.ringplan", "cluster.backend", "cluster.hostfile", "dashboard.server",
+            "cluster.hostinfo", "cluster.launcher", "cluster.supervisor", "cluster.job_files", "cluster.ringplan", "cluster.backend", "cluster.hostfile", "dashboard.server",
             "cluster.links", "cluster.linktests"]
 
 
