@@ -233,7 +233,7 @@ def cmd_discover(args):
 def cmd_launch(args):
     from .cluster.launcher import JobFailed, JobState, Launcher
     from .cluster.supervisor import Supervisor
-    from .gym.scorecard import time_spent
+    from .gym.scorecard import time_spent, time_split
     from .cluster.protocol import load_secret
     secret = load_secret(secret_file=args.secret_file)
     if args.resume:
@@ -269,7 +269,7 @@ def cmd_launch(args):
         raise ConfigError(f"job failed: {e}")
     print(f"\njob {s[SUMMARY.job]} in {s[SUMMARY.run_dir]}: {s[SUMMARY.workers]} workers, {s[SUMMARY.steps]} steps, "
           f"final eval loss {s[SUMMARY.final_eval_loss]:.4f}, {s[SUMMARY.restarts]} restart(s)")
-    print(f"measured on the workers: {time_spent(s)}")
+    print(f"measured on the workers: {time_spent(s)}\nwhere the time went: {time_split(s)}")
 
 
 def start_dashboard(args, run_dir: Path, secret: bytes = None):
@@ -304,14 +304,14 @@ def cmd_secret(args):
 
 
 def print_summary(s):
-    from .gym.scorecard import time_spent
+    from .gym.scorecard import time_spent, time_split
     from .training.metrics import human_bytes
     print(f"\nrun {s[SUMMARY.run_dir]}: {s[SUMMARY.strategy]} x{s[SUMMARY.workers]}, {s[SUMMARY.steps]} steps, "
           f"{trained_on(s)}, final eval loss {s[SUMMARY.final_eval_loss]:.4f}")
     print(f"each worker sent {human_bytes(s[SUMMARY.bytes_sent_per_worker])}; on {s[SUMMARY.link]}: compute "
           f"{s[SUMMARY.compute_s]:.1f} s + exchange {s[SUMMARY.modelled_comm_s]:.2f} s, utilisation "
           f"{s[SUMMARY.utilisation]:.1%}")
-    print(f"measured here: {time_spent(s)}")
+    print(f"measured here: {time_spent(s)}\nwhere the time went: {time_split(s)}")
     if s.get(SUMMARY.peak_memory_bytes):
         per_process = s[SUMMARY.workers_per_process]
         print(f"peak memory {human_bytes(s[SUMMARY.peak_memory_bytes])} per process ({per_process} "

@@ -4,6 +4,7 @@
     SUMMARY      the run's summary (RUN/summary.json: sim's, Trainer.fit's and launch's alike)
     PROGRESS     a train report (callbacks' on_train_loss_report; a cluster worker's progress file)
     STOP         where a cluster worker stopped for a membership change (in its progress file)
+    TIME         where a process's wall-clock went, part by part (the time_s of ROW, SUMMARY, PROGRESS)
     STATUS       a worker's row of RUN/status.json (run_status.py: the dashboard's workers)
     EXCHANGE     an exchange's row (RUN/exchanges.jsonl)
     HOP          a ring's hop into a rank (RUN/ring.json: the launcher's; the dashboard models sim's)
@@ -47,6 +48,11 @@ class Record(dict):
             raise KeyError(f"{self._name} keys not declared in records.py: {', '.join(stray)}")
         return values
 
+    def ordered(self, values: dict) -> dict:
+        """`values` checked, in this record's order (the `also` keys after its own)."""
+        self.check(values)
+        return {**{k: values[k] for k in self if k in values}, **{k: v for k, v in values.items() if k not in self}}
+
     def complete(self, values: dict) -> dict:
         """`values` checked, with every key of this record (in its order; None where not given) and the
         `also` keys given after them."""
@@ -80,6 +86,25 @@ OBJECTIVE = Record("objective metric", {
     "eval_reward": "GRPO: the mean reward of the global model's greedy held-out completions",
 })
 
+# Where a process's wall-clock went (training/clock.py), every second in one part: a row's, a summary's
+# and a train report's `time_s`, which sum to their `process_s`.
+TIME = Record("time split", {
+    "startup_s": "from the process's start to its first step: imports, the model, the data, a resume's "
+                 "checkpoint, a new ring's catch-up",
+    "compute_s": "the steps' own work: the inner steps, the strategy's outer steps and codecs, the reports",
+    "generate_s": "generating what a step trains on (GRPO's rollouts and rewards, DPO's reference passes)",
+    "link_s": "waiting for the link in exchanges",
+    "straggler_s": "waiting for slower workers in exchanges",
+    "save_s": "checkpoints, and an elastic cluster worker's saves of its own state",
+    "eval_s": "evaluations (the held-out losses, the workers' metrics gathered) and the summary",
+    "restart_s": "a cluster job's restarts and membership changes: no ring trained (the launcher's)",
+})
+
+# The parts' names for people (the dashboard, the summary printed), in the order they are shown.
+TIME_NAMES = {TIME.startup_s: "start-up", TIME.compute_s: "compute", TIME.generate_s: "generation",
+              TIME.link_s: "the link", TIME.straggler_s: "slower workers", TIME.save_s: "saves",
+              TIME.eval_s: "evaluation", TIME.restart_s: "restarts"}
+
 ROW = Record("metrics row", {
     "step": "the job-wide step of the evaluation (0: before training)",
     "outer_step": "outer steps (syncs) done by then",
@@ -110,6 +135,8 @@ ROW = Record("metrics row", {
     "flops_per_token": "training FLOPs per token of the model as built",
     "peak_gflops": "the device's measured matmul peak (GFLOP/s)",
     "wall_s": "seconds since this process started the run",
+    "process_s": "seconds since the processes started (their mean; over resumes): the wall-clock time_s splits",
+    "time_s": "where the processes' wall-clock went, by part (TIME; their mean, s)",
     "time": "the Unix time of the row",
     "peak_memory_bytes": "MLX's peak memory of the largest process",
     "workers_per_process": "workers one process trains",
@@ -151,6 +178,8 @@ SUMMARY = Record("summary", {
     "kernels": "what the model ran on (models/kernels.py)",
     "inner_step": "how the inner step ran (vmapped, compiled)",
     "wall_s": ROW["wall_s"],
+    "process_s": "the run's wall-clock: its processes' (their mean, over resumes); a cluster job's, the launcher's",
+    "time_s": "where that wall-clock went, by part (TIME, s); a cluster job's: rank 0's and the launcher's",
     "job": "a cluster job's name (None off a cluster)",
     "restarts": "restarts of a cluster job's ring after a failure (0 off a cluster)",
     "restart_s": "seconds a cluster job did not train while its ring was restarted or changed (0 off a cluster)",
@@ -172,6 +201,8 @@ PROGRESS = Record("train report", {
     "mfu": "this process's model FLOPs utilisation over its wall-clock time",
     "memory_bytes": "MLX's active memory now",
     "memory_limit_bytes": "the config's memory limit (None: MLX's default)",
+    "process_s": "seconds since this process started (over resumes): the wall-clock time_s splits",
+    "time_s": "where this process's wall-clock went, by part (TIME, s)",
     "time": "the Unix time of the report (a progress file's)",
     "stopped": "where this cluster worker stopped for a membership change (STOP; a progress file's)",
 })
@@ -201,6 +232,8 @@ STATUS = Record("status row", {
     "mfu": PROGRESS["mfu"],
     "memory_bytes": PROGRESS["memory_bytes"],
     "memory_limit_bytes": "the memory it may use: the config's limit, or what its machine offers",
+    "process_s": PROGRESS["process_s"],
+    "time_s": PROGRESS["time_s"],
 })
 
 EXCHANGE = Record("exchange row", {
@@ -331,6 +364,7 @@ OPTIONAL_META = Record("checkpoint meta", {
                   "and joined so far ('history', membership.py's syntax)",
     "objective": "a post-training objective's running totals (objectives/: each local worker's tokens generated "
                  "and trained, seconds generating and training), a dict",
+    "time_s": "this worker's processes' time split so far (TIME), and their wall-clock (process_s)",
 })
 
 
@@ -354,8 +388,8 @@ class SavedArrays:
 
 
 def metrics_row(**values) -> dict:
-    """A metrics row, its keys checked against ROW (and OBJECTIVE)."""
-    return ROW.check(values)
+    """A metrics row, its keys checked against ROW (and OBJECTIVE), in ROW's order."""
+    return ROW.ordered(values)
 
 
 def run_summary(**values) -> dict:

@@ -37,7 +37,7 @@ STATES = {
 
 # Keys of a train report (or a cluster worker's progress file) passed through as they are.
 PASSED = (PROGRESS.sync_s, PROGRESS.bytes_sent, PROGRESS.compute_s, PROGRESS.link_s, PROGRESS.straggler_s,
-          PROGRESS.mfu, PROGRESS.memory_bytes, PROGRESS.memory_limit_bytes)
+          PROGRESS.mfu, PROGRESS.memory_bytes, PROGRESS.memory_limit_bytes, PROGRESS.process_s, PROGRESS.time_s)
 
 
 class StepRate:

@@ -27,7 +27,7 @@ from ..records import EVENT, HOP
 from ..training.metrics import human_bytes
 from ..worker_job import WorkerJob
 from . import discovery, protocol
-from .backend import Plan, plan, start_fields
+from .backend import Plan, machine_problem, plan, start_fields
 from .discovery import AgentClient, AgentError, Found, parse_hosts
 from .hostfile import MlxHostfile
 from .launch_options import LaunchOptions
@@ -70,6 +70,12 @@ class JobState:
 
     def save(self, run_dir: Path):
         atomic_write_text(run_dir / "launch.json", json.dumps(asdict(self), indent=1))
+
+    def record(self, step: int, what: str, planned: str):
+        """Add `step:what` to the job's membership history (`planned`: the config's schedule), in step order."""
+        history = (self.membership or planned or f"0:{self.num_shards}").split(",")
+        at = next((i for i, e in enumerate(history) if int(e.split(":")[0]) > step), len(history))
+        self.membership = ",".join(history[:at] + [f"{step}:{what}"] + history[at:])
 
     @classmethod
     def load(cls, run_dir: Path) -> "JobState":
@@ -253,7 +259,7 @@ class Launcher:
         self.events = self.run_dir / "events.jsonl"
         self.restart_s = sum(e[EVENT.total_s] for e in self.events_so_far() if e[EVENT.event] in RESTARTS)
         self.offered = {}       # each slot's memory its machine offers (the last start's hellos)
-        self.started_at = None  # when the ring last started
+        self.started_at = self.first_started_at = None  # when the ring last started; first (by this launcher)
         (self.run_dir / "logs").mkdir(exist_ok=True)  # each worker's output, copied as it comes
 
     # ------------------------------------------------------------ setup
@@ -380,6 +386,7 @@ class Launcher:
                    ring=" -> ".join(f"{m.host or m.address}({link})" for m, link in zip(members, links)),
                    backend=ring.backend, backend_reason=ring.reason)
         self.started_at = time.time()
+        self.first_started_at = self.first_started_at or self.started_at
 
     def measure_links(self):
         """--measure-links: time the link of every pair of the job's machines (links.py) before the first
@@ -409,6 +416,28 @@ class Launcher:
         if not all(held.values()):
             return {m.worker_id: None for m in self.state.members}
         return {m.worker_id: max(held[m.worker_id]) if m.worker_id in held else None for m in self.state.members}
+
+    def ready_to_join(self, m: Member) -> bool:
+        """Whether machine `m` answers, runs this version and holds the model. A machine that answers
+        but cannot take part (another mlx-diloco version, another cluster's secret, no jaccl with
+        --backend jaccl) is refused once, in an event naming why and the fix, and left out."""
+        try:
+            client = AgentClient(m.found, self.secret, timeout_s=0.5)  # (a sleeping Mac must not hold up the watch)
+            agent = client.hello()
+            if self.options.backend == "jaccl" and (why := machine_problem(agent)):
+                raise ConfigError(f"--backend jaccl: {why}")
+            if hub.names_files(self.config.model) and not has_model(client, self.config.model):
+                return False
+            client.request("stop", job=self.state.job)  # a worker of this job still running there (it slept)
+        except ConfigError as e:
+            self.state.spares.remove(m)
+            self.event("refused", host=m.host, why=str(e))
+            return False
+        except AgentError:
+            return False
+        m.host = agent["host"]
+        self.clients[(m.address, m.port)] = client
+        return True
 
     def held_steps(self, m: Member) -> list:
         """The steps of the states (checkpoints) member `m`'s worker holds on its machine."""

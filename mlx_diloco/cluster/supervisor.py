@@ -26,16 +26,14 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from .. import hub
-from ..config import ConfigError
-from ..records import EVENT, PROGRESS, ROW, STOP, run_summary
+from .. import STARTED_AT
+from ..records import EVENT, PROGRESS, ROW, STOP, TIME, run_summary
 from ..training.metrics import human_bytes
 from ..worker_job import STOPPED_FOR_CHANGE
 from . import protocol
-from .backend import machine_problem
-from .discovery import AgentClient, AgentError, watch
+from .discovery import AgentError, watch
 from .job_files import JobStatus, Mirror
-from .launcher import RESTARTS, JobFailed, Launcher, Member, grid_of, has_model, offered_memory
+from .launcher import RESTARTS, JobFailed, Launcher, Member, grid_of, offered_memory
 
 
 @dataclass(frozen=True)
@@ -136,6 +134,7 @@ class Supervisor:
         self.heartbeat = Heartbeat(l, self.mirror)
         self.status = JobStatus(l.run_dir, self.config.steps, grid_of(l.strategy))
         self.last_steps = {}      # each worker's last reported step: where a lost one left
+        self.rank0 = {}           # rank 0's last progress report (its time split: the summary's)
         self.pending_join = None  # a machine admitted at the next sync point
         self.discovered = queue.SimpleQueue()  # agents that appeared on mDNS (discovery.watch's thread)
         self.handlers = {Finished: lambda e: e, Lost: self.recover, StoppedForChange: self.change_members,
@@ -217,6 +216,7 @@ class Supervisor:
                 if failure := self.heartbeat.failure(states):
                     return failure
                 progress = {w: s["progress"] for w, s in states.items() if s.get("progress")}
+                self.rank0 = progress.get(members[0].worker_id, self.rank0)
                 self.last_steps.update({w: p[PROGRESS.step] for w, p in progress.items()})
                 self._note_first_steps(len(progress))
                 exited = [s["returncode"] for s in states.values() if s["state"] == "exited"]
@@ -341,7 +341,7 @@ class Supervisor:
         """The lost machines' slots leave the job from the step after the last one each reported."""
         for m in lost:
             step = self.last_steps.get(m.worker_id, 0) + 1
-            self._record(step, f"-{m.worker_id}")
+            self.state.record(step, f"-{m.worker_id}", self.config.membership)
             self.state.members.remove(m)
             self.state.spares.append(m)
             m.lost = True
@@ -369,12 +369,6 @@ class Supervisor:
         return max(common) if common else None
 
     # ------------------------------------------------------------ membership changes (elastic jobs)
-    def _record(self, step: int, what: str):
-        """Add `step:what` to the job's membership history, in step order."""
-        history = (self.state.membership or self.config.membership or f"0:{self.state.num_shards}").split(",")
-        at = next((i for i, e in enumerate(history) if int(e.split(":")[0]) > step), len(history))
-        self.state.membership = ",".join(history[:at] + [f"{step}:{what}"] + history[at:])
-
     def joiner(self):
         """While the ring has room and a free slot, a machine that answers (a lost one, one named with
         --add, or one new on mDNS), given a free slot; None when there is none."""
@@ -387,7 +381,7 @@ class Supervisor:
         if self.pending_join or len(self.state.members) >= cap or not free or not self._can_admit():
             return None
         for m in list(self.state.spares):
-            if self._ready_to_join(m):
+            if self.launcher.ready_to_join(m):
                 m.worker_id = m.worker_id if m.worker_id in free else free[0]
                 return m
         return None
@@ -407,28 +401,6 @@ class Supervisor:
         feedback: a joiner could take no part in it)."""
         return not (self.config.membership or self.launcher.strategy.own_state)
 
-    def _ready_to_join(self, m: Member) -> bool:
-        """Whether machine `m` answers, runs this version and holds the model. A machine that answers
-        but cannot take part (another mlx-diloco version, another cluster's secret, no jaccl with
-        --backend jaccl) is refused once, in an event naming why and the fix, and left out."""
-        try:
-            client = AgentClient(m.found, self.launcher.secret, timeout_s=0.5)  # (a sleeping Mac must not hold up the watch)
-            agent = client.hello()
-            if self.options.backend == "jaccl" and (why := machine_problem(agent)):
-                raise ConfigError(f"--backend jaccl: {why}")
-            if hub.names_files(self.config.model) and not has_model(client, self.config.model):
-                return False
-            client.request("stop", job=self.state.job)  # a worker of this job still running there (it slept)
-        except ConfigError as e:
-            self.state.spares.remove(m)
-            self.launcher.event("refused", host=m.host, why=str(e))
-            return False
-        except AgentError:
-            return False
-        m.host = agent["host"]
-        self.launcher.clients[(m.address, m.port)] = client
-        return True
-
     def change_members(self, stopped: StoppedForChange):
         """Every member saved its state at the same step for a membership change: the machine asked to
         join joins, or the members the schedule plans from the next step on form the ring."""
@@ -443,7 +415,7 @@ class Supervisor:
         self.state.change["stopped_at"] = max(info[STOP.time] for info in states.values())
         joiner, self.pending_join = self.pending_join, None
         if joiner:
-            self._record(step, f"+{joiner.worker_id}")
+            self.state.record(step, f"+{joiner.worker_id}", self.config.membership)
             self._join(joiner)
         elif self.config.membership:  # (else a join asked for before a launcher restart: looked for again)
             planned = set(next(iter(states.values()))[STOP.members])
@@ -453,7 +425,7 @@ class Supervisor:
                 self.launcher.event("left", worker=m.worker_id, host=m.host, step=step + 1,
                                     workers=len(self.state.members))
             for slot in sorted(planned - {m.worker_id for m in self.state.members}):
-                spare = next((m for m in self.state.spares if m.worker_id == slot and self._ready_to_join(m)), None)
+                spare = next((m for m in self.state.spares if m.worker_id == slot and self.launcher.ready_to_join(m)), None)
                 if spare is None:
                     raise JobFailed(f"the membership schedule admits worker {slot} after step {step}, but its "
                                     "machine does not answer")
@@ -500,6 +472,15 @@ class Supervisor:
         self.state.save(self.launcher.run_dir)
 
     # ------------------------------------------------------------ the end
+    def time_split(self, last: dict) -> dict:
+        """Where the job's wall-clock (this launcher's) went: rank 0's split (its processes': its last report,
+        else its last row), with the launcher's own start-up (setting the job up until its first ring
+        started) and its restarts (no ring trained: events.jsonl's)."""
+        split = dict(self.rank0.get(PROGRESS.time_s) or last.get(ROW.time_s) or dict.fromkeys(TIME, 0.0))
+        split[TIME.startup_s] += max(0.0, (self.launcher.first_started_at or time.time()) - STARTED_AT)
+        split[TIME.restart_s] += self.launcher.restart_s
+        return split
+
     def summary(self) -> dict:
         """The job's summary (records.SUMMARY, as sim's): rank 0's last metrics row, and what the launcher
         knows of the job (its restarts and changes); what only the workers know (the model) is None."""
@@ -512,6 +493,7 @@ class Supervisor:
             **{key: last.get(key) for key in same}, run_dir=str(self.launcher.run_dir), job=self.state.job,
             workers=len(self.state.members), steps=last.get(ROW.step), final_eval_loss=last.get(ROW.eval_loss),
             modelled_comm_s=last.get(ROW.comm_s), restarts=self.state.restarts, restart_s=self.launcher.restart_s,
-            changes=[e for e in self.launcher.events_so_far() if e[EVENT.event] in RESTARTS])
+            changes=[e for e in self.launcher.events_so_far() if e[EVENT.event] in RESTARTS],
+            process_s=time.time() - STARTED_AT, time_s=self.time_split(last))
         self.launcher.write_summary(summary)
         return summary

@@ -24,7 +24,7 @@ from pathlib import Path
 from ..config import ConfigError, read_json
 from ..plot import amount_axis, label, loss_curves, save_figure
 from ..objectives.kinds import DEFAULT, kind
-from ..records import CARD, ROW, SUMMARY
+from ..records import CARD, ROW, SUMMARY, TIME_NAMES
 from ..training.metrics import MetricsLog, human_bytes
 
 FILE = "scorecard.json"
@@ -164,6 +164,17 @@ def post_training(card: dict) -> str:
         parts.append(f"{fmt(card[CARD.tokens_generated])} tokens generated; per worker {fmt(card[CARD.generate_s], 's')} "
                      f"generating, {fmt(card[CARD.train_s], 's')} training")
     return "; ".join(parts)
+
+
+def time_split(s: dict) -> str:
+    """Where a summary's wall-clock went (records.TIME), in a line: its parts' shares, largest first."""
+    split, wall = s.get(SUMMARY.time_s), s.get(SUMMARY.process_s)
+    if not split or not wall:  # a run from before the split was kept
+        return "-"
+    shares = sorted(((seconds / wall, TIME_NAMES[key]) for key, seconds in split.items() if seconds > wall / 2000),
+                    reverse=True)  # (parts under 0.05%: left out)
+    return (f"wall-clock {fmt(wall, 's')}: " + ", ".join(f"{name} {fmt(share, '%')}" for share, name in shares)
+            + f" (the parts sum to {fmt(sum(split.values()) / wall, '%')} of it)")
 
 
 def time_spent(s: dict) -> str:

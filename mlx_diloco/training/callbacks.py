@@ -109,9 +109,15 @@ class ProgressFile(TrainingCallback):
         self.path = path
 
     def on_train_loss_report(self, info):
-        kept = (PROGRESS.step, PROGRESS.steps, PROGRESS.loss, PROGRESS.tokens_per_s)
-        atomic_write_text(self.path, json.dumps({**{k: info[k] for k in kept}, **passed(info),
-                                                 PROGRESS.time: time.time()}), durable=False)
+        kept = (PROGRESS.step, PROGRESS.steps, PROGRESS.loss, PROGRESS.tokens_per_s)  # and passed's (time_s, ...)
+        self.last = {**{k: info[k] for k in kept}, **passed(info)}
+        atomic_write_text(self.path, json.dumps({**self.last, PROGRESS.time: time.time()}), durable=False)
+
+    def on_train_end(self, summary):
+        """The run's whole time split, its end included (the launcher's summary reads rank 0's)."""
+        atomic_write_text(self.path, json.dumps({
+            **getattr(self, "last", {}), PROGRESS.process_s: summary[SUMMARY.process_s],
+            PROGRESS.time_s: summary[SUMMARY.time_s], PROGRESS.time: time.time()}), durable=False)
 
 
 class StatusFile(TrainingCallback):

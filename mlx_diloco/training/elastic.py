@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten
 
 from ..atomic import atomic_write_text
 from ..options import ConfigError
-from ..records import PROGRESS, STOP
+from ..records import PROGRESS, STOP, TIME
 from ..run_folder import latest_step
 from . import checkpoint
 from .checkpoint import in_order_of
@@ -110,10 +110,13 @@ class Elastic:
     def save_local_state(self):
         """This worker's own state (weights, moments, data cursor, the global model and outer state,
         an exchange in flight) on its own disk, with no collective: a peer may be gone. What it resumes
-        from after a membership change, so it keeps the inner steps it took."""
+        from after a membership change, so it keeps the inner steps it took: this machine's next process
+        reads it, so it is left to the page cache (not synced to the disk: a process's death does not
+        lose it, and the sync cost more than the save itself, bench/cluster_streaming.py)."""
         if latest_step(self.checkpoint_dir) != self.clock.steps:
-            arrays, meta = self.snapshot()
-            checkpoint.save(self.checkpoint_dir, self.clock.steps, arrays, meta)  # empties `arrays` as it writes
+            with self.clock.part(TIME.save_s):
+                arrays, meta = self.snapshot()
+                checkpoint.save(self.checkpoint_dir, self.clock.steps, arrays, meta, durable=False)  # empties `arrays`
 
     def report_stop(self, why: str):
         """Tell the launcher (through the progress file its agent reads) where this worker stopped and

@@ -9,7 +9,6 @@ when they are due. `Run.train()` steps to the end.
 """
 
 import json
-import math
 import shutil
 import time
 from contextlib import contextmanager
@@ -20,7 +19,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..records import META, OPTIONAL_META, PROGRESS, ROW, SavedArrays, metrics_row, run_summary
+from .. import STARTED_AT
+from ..records import META, OPTIONAL_META, TIME, SavedArrays
 from ..config import ConfigError, TrainConfig
 from ..data.datasets import BatchStream, ShardSampler, oversized_batch
 from ..exchange.comm import Communicator, NonFiniteValues
@@ -31,7 +31,6 @@ from ..exchange.worker_axis import flatten_workers, unflatten
 from ..models.adapters import ADAPTERS, save_adapters
 from ..models.checkpointing import checkpoint_blocks
 from ..models.finetune import ADAPTER_TYPES, adapter_config, apply_fine_tune, is_quantized, trainable_count
-from ..models.kernels import paths as kernel_paths
 from ..models.precision import to_bf16
 from ..memory import model_shape
 from ..models.zoo import count_parameters
@@ -39,7 +38,7 @@ from ..objectives import make_objective
 from ..objectives.base import Context
 from ..objectives.rewards import RewardError
 from ..run_folder import check_new_run_dir, latest_step
-from ..utilisation import flops_per_token, mfu, peak_gflops
+from ..utilisation import flops_per_token
 from ..worker_job import WorkerJob
 from . import checkpoint
 from .checkpoint import in_order_of
@@ -48,6 +47,7 @@ from .elastic import Elastic, StoppedForChange  # noqa: F401 (StoppedForChange: 
 from .callbacks import Loggers, MetricsFile, ProgressBar, ProgressFile, StatusFile, check_loggers
 from .metrics import MetricsLog
 from .pacing import Pacing
+from .reports import Reports
 from .resolve import Parts, parts_from_config, resolve, saved_config
 from .workers import Workers, check_loss
 
@@ -91,12 +91,6 @@ def convert_model(model, config: TrainConfig):
                           "drop --grad-checkpoint")
 
 
-def mean_of_numbers(values: list) -> float:
-    """The mean of the values that are not NaN (a worker that took no step has a NaN loss); NaN if none."""
-    numbers = [v for v in values if not math.isnan(v)]
-    return sum(numbers) / len(numbers) if numbers else float("nan")
-
-
 @dataclass
 class Tick:
     """One tick's inner step, as `Run.end_step` takes it."""
@@ -111,7 +105,10 @@ class Run:
     TrainingCallbacks that hear its reports, after the run's own (metrics files, progress)."""
 
     def __init__(self, config: TrainConfig, run_dir, comm: Communicator, reporter: bool = True,
-                 resume: bool = False, log=print, job: WorkerJob = None, parts: Parts = None, callbacks=None):
+                 resume: bool = False, log=print, job: WorkerJob = None, parts: Parts = None, callbacks=None,
+                 started_at: float = None):
+        """`started_at`: when the run started in this process (a worker's: the process's start); default now."""
+        started_at = started_at or time.time()
         self.run_dir, self.comm, self.reporter, self.log = Path(run_dir), comm, reporter, log
         # A worker of a cluster or of sim's processes has its job (worker_job.py); the simulator, the defaults.
         self.job = job = job or WorkerJob(config={}, run_dir=str(run_dir))
@@ -166,15 +163,11 @@ class Run:
             with memory_limit(config.memory_limit):
                 check_loss(parts.loss, model, *self.eval_batches[0])
         self.ledger = ExchangeLedger(parse_link(config.link))
-        self.clock = RunClock()  # steps done, compute time
-        self.waited_s = {ROW.link_s: 0.0, ROW.straggler_s: 0.0}  # before this process: a checkpoint's
+        # steps done, where the time went (clock.py)
+        self.clock = RunClock(comm, started_at, flops_per_token=model_flops_per_token(model, self.spec, config))
         self._step_s = 0.0       # the last inner step's (a slow worker may wait out the first ticks)
-        self._loss_sum, self._loss_count = self._no_train_losses()  # each local worker's, since the last evaluation
-        self.wall_start = time.time()
+        self.reports = Reports(config, comm, job, self.data, self.strategy, self.pacing, self.ledger, self.clock)
         self.n_params = count_parameters(model)
-        self.flops_per_token = model_flops_per_token(model, self.spec, config)
-        self.peak_gflops = peak_gflops() if self.flops_per_token else None
-        self.tokens_here = 0     # tokens this process trained (its MFU over its wall-clock time)
         if resume:
             self._restore()
         elif reporter:  # everything checked out: only now create the run folder
@@ -193,7 +186,7 @@ class Run:
         and peers from MLX's environment (exchange/ring.py)."""
         comm = init_ring(job.collective_timeout, job.workers_per_process, job.backend)
         return cls(job.train_config, job.run_dir, comm, reporter=comm.local_workers[0] == 0,
-                   resume=job.resume_step is not None, log=log, job=job)
+                   resume=job.resume_step is not None, log=log, job=job, started_at=STARTED_AT)
 
     @property
     def steps_done(self) -> int:
@@ -260,7 +253,8 @@ class Run:
             except BaseException:
                 self._report("on_train_stopped", {"step": self.steps_done})
                 raise
-            self.peak_memory = self._peak_memory()  # the last global evaluation and checkpoint included
+            with self.clock.part(TIME.eval_s):
+                self.peak_memory = self._peak_memory()  # the last global evaluation and checkpoint included
             summary = self.summary()
         self._report("on_train_end", summary)
         return summary
@@ -268,23 +262,25 @@ class Run:
     def step(self, batch=None):
         """One tick of the job. `batch`: this process's (x, y), each with a leading axis over its
         workers (default: the next batch of each worker's shard)."""
-        if self.elastic:  # an elastic cluster's worker: it may stop here for a membership change
-            self.elastic.before_tick(meets_peers=self._meets_peers(self.steps_done + 1))
-        self.end_step(self.inner_step(batch))
+        with self.clock.tick():  # (clock.py: where the time goes)
+            if self.elastic:  # an elastic cluster's worker: it may stop here for a membership change
+                self.elastic.before_tick(meets_peers=self._meets_peers(self.steps_done + 1))
+            self.end_step(self.inner_step(batch))
 
     def inner_step(self, batch=None) -> Tick:
         """The first half of `step`: the inner step of the local workers that step at this tick
         (speeds.py), timed. Until `end_step`, they hold their local parameters."""
         if self.steps_done == 0:  # the starting point of every curve
-            self.evaluate(None, self._worker_losses(0))
+            with self.clock.part(TIME.eval_s):
+                self.evaluate(None, self._worker_losses(0))
         tick = Tick(self.steps_done + 1)
         tick.members = self.pacing.members(tick.step)
         x, y = batch or self.next_batch(tick.members)
         t0, wait0 = time.perf_counter(), self.comm.wait_s
         active = self.pacing.active(tick.step)
         if active is None or any(active):  # else this process's workers wait out the tick
-            with self._stop_on_reward_error(tick.step):  # the objective's batch (GRPO: rollouts, rewards)
-                x, y = self.objective.batch(self.context, x, y, tick)
+            with self._stop_on_reward_error(tick.step), self.clock.part(TIME.generate_s):
+                x, y = self.objective.batch(self.context, x, y, tick)  # (GRPO: rollouts, rewards)
             with self._stop_on_non_finite(tick.step):
                 tick.losses = self.workers.step(x, y, self.strategy, tick.step, active)
             tick.seconds = time.perf_counter() - t0
@@ -301,7 +297,8 @@ class Run:
         self.compute_s += self.pacing.tick_seconds(c.step_time or self._step_s)
         evaluate = t % self.eval_every == 0 or t == c.steps
         # The local models are evaluated before the outer step replaces them with the global one.
-        worker_losses = self._worker_losses(t) if evaluate else None
+        with self.clock.part(TIME.eval_s):
+            worker_losses = self._worker_losses(t) if evaluate else None
         with self._stop_on_non_finite(t):
             self.workers.params = self.strategy.after_step(self.workers.take_params(), t, self.pacing.inputs_at(t))
         self.pacing.after_tick(t, self.compute_s)  # after the sync: the first round's, every worker stepped in it
@@ -310,13 +307,12 @@ class Run:
         for row in self.ledger.record(t, self.comm.drain_records(), step_s=self.compute_s / t):
             self._report("on_sync_report", row)
         if tick.losses is not None:
-            self._add_train_losses(tick)
-            self._report("on_train_loss_report", self._train_info(tick))
+            self._report("on_train_loss_report", self.reports.train_report(tick))
         if evaluate:
-            self.evaluate(self._loss_sum / self._loss_count, worker_losses)
-            self._loss_sum, self._loss_count = self._no_train_losses()
+            with self.clock.part(TIME.eval_s):
+                self.evaluate(self.reports.take_train_losses(), worker_losses)
         if t % self.checkpoint_every == 0 or t == c.steps:
-            with self._stop_on_non_finite(t):
+            with self._stop_on_non_finite(t), self.clock.part(TIME.save_s):
                 self.save_checkpoint()
 
     def next_batch(self, members=None):
@@ -339,44 +335,6 @@ class Run:
         losses = self.workers.eval_each(self.eval_batches)
         members = self.pacing.members(step)
         return losses if members is None else mx.where(mx.array(members), losses, float("nan"))
-
-    def _no_train_losses(self) -> tuple:
-        """Each local worker's (sum, count) of train losses, before any (a worker with none: NaN)."""
-        return mx.zeros((self.comm.n_local,)), mx.zeros((self.comm.n_local,))
-
-    def _add_train_losses(self, tick: Tick):
-        """Count this tick's losses of the workers that are members."""
-        taken = mx.ones((self.comm.n_local,)) if tick.members is None else mx.array(tick.members, mx.float32)
-        self._loss_sum = self._loss_sum + mx.where(taken > 0, tick.losses, 0)
-        self._loss_count = self._loss_count + taken
-
-    def _train_info(self, tick: Tick) -> dict:
-        c = self.config
-        losses = tick.losses if tick.members is None else tick.losses[mx.array(np.flatnonzero(tick.members))]
-        tokens = c.batch_size * (self.data.tokens_per_example() or 1) * losses.size  # (or examples)
-        job = self.pacing.member_count(tick.step)
-        self.tokens_here += tokens
-        trained = self.pacing.active(tick.step) or [True] * self.comm.n_local
-        return PROGRESS.check({
-            PROGRESS.step: tick.step, PROGRESS.steps: c.steps, PROGRESS.loss: float(losses.mean().item()),
-            PROGRESS.worker_losses: [loss if t else None for loss, t in zip(tick.losses.tolist(), trained)],
-            PROGRESS.tokens_per_s: tokens / tick.seconds, PROGRESS.job_tokens_per_s: tokens * job / losses.size / tick.seconds,
-            PROGRESS.sync_s: self.comm.wait_s, PROGRESS.bytes_sent: self.ledger.bytes_sent, **self.time_spent(),
-            PROGRESS.memory_bytes: mx.get_active_memory(), PROGRESS.memory_limit_bytes: int(c.memory_limit * 1e9) or None})
-
-    def time_spent(self) -> dict:
-        """Where this process's time went (seconds, over the job): computing its workers' inner steps,
-        waiting for the link, waiting for slower workers (comm.py measures both waits); and its model
-        FLOPs utilisation over its wall-clock time (utilisation.py)."""
-        wall = time.time() - self.wall_start
-        rate = self.tokens_here / wall if wall > 0 else None
-        gflops = rate and self.peak_gflops and self.flops_per_token * rate / 1e9
-        if gflops and gflops > self.peak_gflops:  # the peak was measured while other work ran (utilisation.py)
-            self.peak_gflops = peak_gflops(beaten_by=gflops)
-        return {PROGRESS.compute_s: self.compute_s * self.comm.n_local,
-                PROGRESS.link_s: self.waited_s[ROW.link_s] + self.comm.wait_s - self.comm.straggler_s,
-                PROGRESS.straggler_s: self.waited_s[ROW.straggler_s] + self.comm.straggler_s,
-                PROGRESS.mfu: mfu(self.flops_per_token, rate, self.peak_gflops) if rate is not None else None}
 
     # ------------------------------------------------------------ membership
     def _change_membership(self, step: int):
@@ -405,15 +363,6 @@ class Run:
         return (self.pacing.exchanges_at(step) or step % self.eval_every == 0 or step == self.config.steps
                 or step % self.checkpoint_every == 0)
 
-    def _by_slot(self, values: list) -> list:
-        """One value per slot, NaN where no member is, from one per ring worker (an elastic cluster's)."""
-        if not self.job.ring_slots or values is None:
-            return values
-        out = [float("nan")] * self.config.workers
-        for slot, value in zip(self.job.ring_slots, values):
-            out[slot] = value
-        return out
-
     @contextmanager
     def _stop_on_non_finite(self, step: int):
         """A worker that would send NaN or inf stops the run before its values reach any other
@@ -438,23 +387,6 @@ class Run:
         return f"its last checkpoint (step {last}) is intact" if last else "no checkpoint was written"
 
     # ------------------------------------------------------------ evaluation and metrics
-    def examples(self) -> int:
-        """Examples (sequences, images, rows) the workers have trained on so far."""
-        return sum(self.examples_per_shard())
-
-    def examples_per_shard(self) -> list:
-        """Examples each worker's shard has given so far."""
-        return [n * self.config.batch_size for n in self.pacing.steps_taken(self.steps_done)]
-
-    def tokens(self):
-        """Tokens the workers have trained on so far; None when the examples are not tokens."""
-        per_example = self.data.tokens_per_example()
-        return None if per_example is None else self.examples() * per_example
-
-    def tokens_per_shard(self):
-        per_example = self.data.tokens_per_example()
-        return None if per_example is None else [n * per_example for n in self.examples_per_shard()]
-
     def global_params(self):
         return self.strategy.global_params(self.workers.params)
 
@@ -462,48 +394,15 @@ class Run:
         """Report a metrics row: the global model's eval loss, and each local model's (taken
         before the outer step, so the rows show how far the workers drifted apart). Every process
         evaluates its workers; the reporter gathers their losses and reports the row."""
-        c, ledger = self.config, self.ledger
         worker_losses = self.comm.gather_metric(worker_losses)
         train_losses = None if train_losses is None else self.comm.gather_metric(train_losses)
         self.peak_memory = self._peak_memory()
-        spent = self._job_time_spent()
+        spent = self.clock.job_spent()
         objective = self.objective.report(self.context)  # every process: it gathers the workers' values
-        if not self.reporter:
-            return
-        global_loss = self.workers.eval_params(self.global_params(), self.eval_batches)
-        modelled = self.compute_s + ledger.comm_s
-        idle = self.pacing.idle_fraction()
-        self._report("on_val_loss_report", metrics_row(  # (records.py: each key's meaning)
-            step=self.steps_done, outer_step=self.strategy.outer_steps_done(self.steps_done),
-            tokens=self.tokens(), examples=self.examples(),
-            eval_loss=global_loss, eval_loss_workers=self._by_slot(worker_losses),
-            train_loss=None if train_losses is None else mean_of_numbers(train_losses),
-            train_loss_workers=self._by_slot(train_losses),
-            members=self.pacing.member_count(self.steps_done),
-            tokens_per_shard=self.tokens_per_shard(), inner_steps_lost=self.pacing.lost_steps(self.steps_done),
-            membership_changes=[c.row() for c in self.pacing.changes_between(self._last_evaluation(), self.steps_done)],
-            bytes_sent_per_worker=ledger.bytes_sent, peak_exchange_bytes=ledger.peak_bytes,
-            compute_s=self.compute_s, comm_s=ledger.comm_s, modelled_time_s=modelled, sync_wait_s=self.comm.wait_s,
-            utilisation=self.compute_s * (1 - idle) / modelled if modelled else 1.0,
-            idle_fraction=idle, worker_speeds=self.pacing.worker_speeds(),
-            measured_utilisation=spent[ROW.busy_s] / (spent[ROW.busy_s] + spent[ROW.link_s] + spent[ROW.straggler_s])
-            if spent[ROW.busy_s] else 1.0, **spent, flops_per_token=self.flops_per_token, peak_gflops=self.peak_gflops,
-            wall_s=time.time() - self.wall_start, time=time.time(),
-            peak_memory_bytes=int(self.peak_memory * 1e6), workers_per_process=self.comm.n_local,
-            strategy=c.strategy, workers=c.workers, sync_every=self.strategy.sync_every, link=ledger.link.name,
-            strategy_options=self.strategy.options(), objective=c.objective, **objective,
-        ))
-
-    def _job_time_spent(self) -> dict:
-        """Where the processes' time went (the mean over them: "busy_s" their compute) and the job's MFU
-        (the mean of theirs, each against its own peak: on a machine the processes share, the share
-        of the cores it may use)."""
-        spent = self.time_spent()
-        mine = [spent[PROGRESS.compute_s], spent[PROGRESS.link_s], spent[PROGRESS.straggler_s],
-                math.nan if spent[PROGRESS.mfu] is None else spent[PROGRESS.mfu]]
-        every = np.array(self.comm.gather_metric(mx.array([mine] * self.comm.n_local)))
-        busy, link, straggler, mfus = every.mean(axis=0).tolist()
-        return {ROW.busy_s: busy, ROW.link_s: link, ROW.straggler_s: straggler, ROW.mfu: None if math.isnan(mfus) else mfus}
+        if self.reporter:
+            global_loss = self.workers.eval_params(self.global_params(), self.eval_batches)
+            self._report("on_val_loss_report", self.reports.row(
+                global_loss, worker_losses, train_losses, spent, self.peak_memory, self._last_evaluation(), objective))
 
     def _last_evaluation(self) -> int:
         """The step of the evaluation before this step's."""
@@ -514,34 +413,20 @@ class Run:
         return max(self.comm.gather_metric(mx.full((self.comm.n_local,), mx.get_peak_memory() / 1e6)))
 
     def summary(self) -> dict:
+        """The run's summary (records.SUMMARY). Every process takes part (its time split gathered)."""
+        spent = self.clock.job_spent()
         rows = MetricsLog.read(self.run_dir / "metrics.jsonl") if self.reporter else []
-        last = rows[-1] if rows else {}
-        # the run's peak: the rows from before a resume hold the peaks of the processes before
-        peak = max([int(self.peak_memory * 1e6)] + [r.get(ROW.peak_memory_bytes, 0) for r in rows])
-        return run_summary(
-            run_dir=str(self.run_dir), strategy=self.config.strategy, workers=self.config.workers,
-            steps=self.steps_done, parameters=self.n_params, final_eval_loss=last.get(ROW.eval_loss),
-            tokens=last.get(ROW.tokens), examples=last.get(ROW.examples), tokens_per_shard=self.tokens_per_shard(),
-            examples_per_shard=self.examples_per_shard(), inner_steps_lost=self.pacing.lost_steps(self.steps_done),
-            bytes_sent_per_worker=self.ledger.bytes_sent, peak_exchange_bytes=self.ledger.peak_bytes,
-            compute_s=self.compute_s, modelled_comm_s=self.ledger.comm_s, utilisation=last.get(ROW.utilisation),
-            link=self.ledger.link.describe(),
-            **{k: last.get(k) for k in (ROW.measured_utilisation, ROW.busy_s, ROW.link_s, ROW.straggler_s, ROW.mfu,
-                                        ROW.flops_per_token, ROW.peak_gflops)},
-            wall_s=time.time() - self.wall_start,
-            peak_memory_bytes=peak, workers_per_process=self.comm.n_local,
-            kernels=kernel_paths().describe(self.config.precision), inner_step=self.workers.describe(),
-            **{k: last.get(k) for k in self.objective.summary_keys})
+        return self.reports.summary(self.run_dir, rows, spent, self.peak_memory, self.n_params, self.workers.describe(),
+                                    self.objective.summary_keys)
 
     # ------------------------------------------------------------ checkpoints
     def state(self) -> tuple:
         """What a checkpoint keeps of the run, each part's state gathered here: (arrays, meta) in
         checkpoint.py's schema (records.CHECKPOINT, records.META)."""
-        spent = self.time_spent()
         arrays = SavedArrays(self.workers.params, self.workers.optimizer.state, self.strategy.state()).arrays()
         meta = {META.config: self.config.to_dict(), META.cursors: [s.state() for s in self.samplers],
                 META.compute_s: self.compute_s, META.worker_speeds: self.pacing.worker_speeds(),
-                META.exchanges: self.ledger.state(), OPTIONAL_META.waits_s: {k: spent[k] for k in self.waited_s},
+                META.exchanges: self.ledger.state(), **self.clock.state(),
                 META.model_preset: self.spec.params if self.spec else None, META.vocab_size: self.data.vocab_size,
                 OPTIONAL_META.objective: self.objective.state()}
         if self.job.ring_slots:
@@ -561,7 +446,7 @@ class Run:
             sampler.load_state(cursor)
         self.pacing.resume_with(meta[META.worker_speeds])
         self.ledger.load_state(meta[META.exchanges])
-        self.waited_s = meta.get(OPTIONAL_META.waits_s, self.waited_s)
+        self.clock.load_state(meta)
         self.objective.load_state(meta.get(OPTIONAL_META.objective) or {})
 
     def save_checkpoint(self):
