@@ -6,10 +6,7 @@ The Python API (imported on first use, so that the command line starts without M
     from mlx_diloco import SparseLoCo, DESLOC, Quorum, NoLoCo
 """
 
-import time as _time
-
 __version__ = "0.1.0"
-STARTED_AT = _time.time()  # when this process started, near enough: a command imports the package first
 
 _STRATEGIES = ("Strategy", "DDP", "FedAvg", "DiLoCo", "SPARTA", "DeMo", "MuLoCo", "SPARTADiLoCo",
                "SparseLoCo", "DESLOC", "Quorum", "NoLoCo")

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from .. import STARTED_AT
 from ..records import EVENT, PROGRESS, ROW, STOP, TIME, run_summary
 from ..training.metrics import human_bytes
+from ..utilisation import process_start
 from ..worker_job import STOPPED_FOR_CHANGE
 from . import protocol
 from .discovery import AgentError, watch
@@ -137,6 +137,7 @@ class Supervisor:
         self.rank0 = {}           # rank 0's last progress report (its time split: the summary's)
         self.pending_join = None  # a machine admitted at the next sync point
         self.discovered = queue.SimpleQueue()  # agents that appeared on mDNS (discovery.watch's thread)
+        self.started_at = process_start()  # the job's wall-clock (this launcher's) counts from here
         self.handlers = {Finished: lambda e: e, Lost: self.recover, StoppedForChange: self.change_members,
                          Joined: self.admit_at_sync}
 
@@ -477,7 +478,7 @@ class Supervisor:
         else its last row), with the launcher's own start-up (setting the job up until its first ring
         started) and its restarts (no ring trained: events.jsonl's)."""
         split = dict(self.rank0.get(PROGRESS.time_s) or last.get(ROW.time_s) or dict.fromkeys(TIME, 0.0))
-        split[TIME.startup_s] += max(0.0, (self.launcher.first_started_at or time.time()) - STARTED_AT)
+        split[TIME.startup_s] += max(0.0, (self.launcher.first_started_at or time.time()) - self.started_at)
         split[TIME.restart_s] += self.launcher.restart_s
         return split
 
@@ -494,6 +495,6 @@ class Supervisor:
             workers=len(self.state.members), steps=last.get(ROW.step), final_eval_loss=last.get(ROW.eval_loss),
             modelled_comm_s=last.get(ROW.comm_s), restarts=self.state.restarts, restart_s=self.launcher.restart_s,
             changes=[e for e in self.launcher.events_so_far() if e[EVENT.event] in RESTARTS],
-            process_s=time.time() - STARTED_AT, time_s=self.time_split(last))
+            process_s=time.time() - self.started_at, time_s=self.time_split(last))
         self.launcher.write_summary(summary)
         return summary

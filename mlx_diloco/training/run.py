@@ -19,7 +19,6 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .. import STARTED_AT
 from ..records import META, OPTIONAL_META, TIME, SavedArrays
 from ..config import ConfigError, TrainConfig
 from ..data.datasets import BatchStream, ShardSampler, oversized_batch
@@ -38,7 +37,7 @@ from ..objectives import make_objective
 from ..objectives.base import Context
 from ..objectives.rewards import RewardError
 from ..run_folder import check_new_run_dir, latest_step
-from ..utilisation import flops_per_token
+from ..utilisation import flops_per_token, process_start
 from ..worker_job import WorkerJob
 from . import checkpoint
 from .checkpoint import in_order_of
@@ -186,7 +185,7 @@ class Run:
         and peers from MLX's environment (exchange/ring.py)."""
         comm = init_ring(job.collective_timeout, job.workers_per_process, job.backend)
         return cls(job.train_config, job.run_dir, comm, reporter=comm.local_workers[0] == 0,
-                   resume=job.resume_step is not None, log=log, job=job, started_at=STARTED_AT)
+                   resume=job.resume_step is not None, log=log, job=job, started_at=process_start())
 
     @property
     def steps_done(self) -> int:
