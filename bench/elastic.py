@@ -93,7 +93,7 @@ def leave_and_join(tmp: Path, flags: list, kill_step: int, join_step: int) -> li
     finally:
         cluster.close()
     elastic, events = results(run_dir)
-    from mlx_diloco.plot import plot_runs
+    from mlx_diloco.tools.plot import plot_runs
     plot_runs([tmp / "whole", run_dir], Path(PLOT), title=f"host4 killed at step {kill_step}, host5 added at step "
               f"{join_step} (elastic) against 4 hosts uninterrupted")
     joined = re.findall(r"joined at step (\d+), from worker (\d+)'s state \(([\d,]+) bytes over the ring\)",

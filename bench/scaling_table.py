@@ -136,7 +136,7 @@ def plot(results: dict, out: Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from mlx_diloco.plot import save_figure
+    from mlx_diloco.tools.plot import save_figure
     from mlx_diloco.training.metrics import MetricsLog
 
     dp = best(results, "dp_")

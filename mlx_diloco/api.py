@@ -33,7 +33,7 @@ from .data.datasets import ArrayExamples, BatchStream, Dataset
 from .exchange.comm import SimCommunicator
 from .exchange.ledger import ExchangeLedger
 from .exchange.network import modelled_time, parse_link
-from .export import global_parameters, trained_model
+from .tools.export import global_parameters, trained_model
 from .models.zoo import build_model, load_spec
 from .options import did_you_mean, from_dict
 from .records import META, SUMMARY

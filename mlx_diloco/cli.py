@@ -49,7 +49,7 @@ def shared_help(kinds: dict) -> str:
 
 def add_plan_flags(parser):
     """`plan`'s memory and what-if flags: config keys and its strategy's options, with plan's defaults."""
-    from .plan import FLAGS, STRATEGY, WHAT_IF
+    from .tools.plan import FLAGS, STRATEGY, WHAT_IF
     from .strategies import strategy_class
     known = {f.name: f for f in (*fields(TrainConfig), *fields(strategy_class(STRATEGY)))}
     for name in FLAGS:
@@ -108,7 +108,7 @@ def cmd_sim(args):
     print_summary(simulate(config, run_dir, args.processes, args.resume, log=lambda m: print(m, file=sys.stderr)))
     from .models.zoo import load_spec
     if load_spec(config.model).is_language_model and args.sample_tokens:
-        from .generate import default_prompt, generate
+        from .tools.generate import default_prompt, generate
         prompt = default_prompt(run_dir) if args.prompt is None else args.prompt
         print("\nsample:\n" + prompt + "".join(generate(run_dir, prompt, args.sample_tokens)))
 
@@ -328,7 +328,7 @@ def trained_on(s: dict) -> str:
 
 
 def cmd_plan(args):
-    from .plan import print_plan
+    from .tools.plan import print_plan
     given, links = given_flags(args), args.link
     if args.cluster:  # the slowest hop, as measured, of the ring the launcher would make of the agents
         from .cluster.linktests import cluster_link
@@ -375,12 +375,12 @@ def cmd_linktest(args):
 
 
 def cmd_plot(args):
-    from .plot import plot_runs
+    from .tools.plot import plot_runs
     print(plot_runs(args.runs, args.out, args.title))
 
 
 def cmd_generate(args):
-    from .generate import default_prompt, generate
+    from .tools.generate import default_prompt, generate
     prompt = default_prompt(args.run) if args.prompt is None else args.prompt
     pieces = generate(args.run, prompt, args.max_tokens, args.temperature, args.seed)  # fails before any output
     print(prompt, end="", flush=True)
@@ -390,14 +390,14 @@ def cmd_generate(args):
 
 
 def cmd_export(args):
-    from .export import export_mlx_lm
+    from .tools.export import export_mlx_lm
     out = export_mlx_lm(args.run, args.out, fuse=args.fuse)
     how = "mlx_lm.load(BASE, adapter_path=...)" if (out / "adapter_config.json").is_file() else "mlx_lm.load"
     print(f"wrote {out} (load with {how})")
 
 
 def cmd_doctor(args):
-    from .doctor import report
+    from .tools.doctor import report
     print("\n".join(report()))
 
 

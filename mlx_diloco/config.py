@@ -13,11 +13,11 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from .exchange.network import parse_link
-from .membership import Schedule, check_strategy as check_membership
+from .schedules.membership import Schedule, check_strategy as check_membership
 from .mlx_lm_config import read_yaml_config
 from .objectives.kinds import DEFAULT as DEFAULT_OBJECTIVE, OBJECTIVES
 from .options import ConfigError, from_dict, option, read_json  # ConfigError: most callers import it from here
-from .speeds import Speeds
+from .schedules.speeds import Speeds
 
 
 PRECISIONS = ("fp32", "bf16")

@@ -9,7 +9,7 @@ from mlx.utils import tree_flatten
 from conftest import tiny_config
 from mlx_diloco.config import ConfigError
 from mlx_diloco.exchange.comm import SimCommunicator
-from mlx_diloco.plot import label
+from mlx_diloco.tools.plot import label
 from mlx_diloco.records import SavedArrays
 from mlx_diloco.strategies import SPARTA, DiLoCo, SPARTADiLoCo, make_strategy
 from mlx_diloco.training.run import Run

@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten
 from conftest import run_cli, tiny_config
 from mlx_diloco.config import ConfigError, TrainConfig
 from mlx_diloco.exchange.comm import SimCommunicator
-from mlx_diloco.membership import Change, Schedule, Timeline
+from mlx_diloco.schedules.membership import Change, Schedule, Timeline
 from mlx_diloco.strategies.fragments import gather
 from mlx_diloco.training import checkpoint
 from mlx_diloco.training.metrics import MetricsLog

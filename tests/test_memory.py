@@ -16,7 +16,7 @@ from mlx_diloco.cluster.emulated import SECRET, EmulatedCluster, can_build
 from mlx_diloco.config import TrainConfig
 from mlx_diloco.exchange.comm import SimCommunicator
 from mlx_diloco.exchange.worker_axis import stack_copies
-from mlx_diloco.memory import GB, MemoryOptions, estimate, make_it_fit, model_shape
+from mlx_diloco.machine.memory import GB, MemoryOptions, estimate, make_it_fit, model_shape
 from mlx_diloco.models.zoo import ModelSpec, build_model, load_spec
 from mlx_diloco.strategies.diloco import DiLoCo
 from mlx_diloco.training import checkpoint
@@ -263,8 +263,8 @@ def test_plan_of_adapters_exchanges_the_adapters_and_names_their_share_of_the_mo
     times the codec's bytes (fp16: 2), beside the full model's; its sync times are theirs."""
     from mlx_diloco.exchange.codecs import get_codec
     from mlx_diloco.exchange.comm import exchange_plan
-    from mlx_diloco.memory import trained_shape
-    from mlx_diloco.plan import print_plan
+    from mlx_diloco.machine.memory import trained_shape
+    from mlx_diloco.tools.plan import print_plan
     from mlx_diloco.training.metrics import human_bytes
     _, shape = trained_shape(TrainConfig(model="llama-1b", fine_tune_type="lora"))
     print_plan({"fine_tune_type": "lora", "seq_len": 512, "batch_size": 4}, model="llama-1b", links=["1gbe"])
@@ -287,7 +287,7 @@ def test_a_quantized_preset_is_built_as_mlx_lm_loads_a_quantized_folder_and_trai
     parameters, the packed base (4 bits and an fp32 scale and bias per 64 values) and the adapters;
     full fine-tuning is refused, and a malformed quantization is one line."""
     from mlx_lm.utils import load_model, save_config, save_model
-    from mlx_diloco.memory import trained_shape
+    from mlx_diloco.machine.memory import trained_shape
     from mlx_diloco.options import ConfigError
     tiny = {**load_spec("llama-tiny").params, "quantization": {"group_size": 32, "bits": 4}}
     (tmp_path / "tiny-4bit.json").write_text(json.dumps(tiny))

@@ -13,8 +13,8 @@ from mlx.utils import tree_flatten
 from conftest import assert_same_arrays, resumed_run, run_cli, tiny_config
 from mlx_diloco.config import ConfigError
 from mlx_diloco.exchange.comm import NonFiniteValues, SimCommunicator
-from mlx_diloco.export import load_trained_model
-from mlx_diloco.speeds import Speeds
+from mlx_diloco.tools.export import load_trained_model
+from mlx_diloco.schedules.speeds import Speeds
 from mlx_diloco.strategies.base import TickInputs
 from mlx_diloco.strategies.quorum import Quorum
 from mlx_diloco.training.run import Run

@@ -7,7 +7,7 @@ import json
 
 from .. import run_status
 from ..records import PROGRESS, ROW, STATUS
-from ..schedule import SyncSchedule
+from ..schedules.schedule import SyncSchedule
 from ..training.metrics import MetricsLog
 from ..worker_job import STOPPED_FOR_CHANGE
 

@@ -144,7 +144,7 @@ def with_room_to_grow(config: TrainConfig, max_workers: int, elastic: bool) -> t
 
 def planned_members(config: TrainConfig, step: int) -> list:
     """The slots the config's membership schedule has as members at `step` (all without one)."""
-    from ..membership import Schedule, Timeline
+    from ..schedules.membership import Schedule, Timeline
     schedule = Schedule.of(config)
     if schedule is None:
         return list(range(config.workers))
@@ -169,7 +169,7 @@ def cut_shards(config: TrainConfig, num_shards: int, folder: Path, log=print) ->
 def check_memory(config: TrainConfig, strategy, agents: list):
     """Refuse, before anything starts, a job whose worker will not fit on one of the machines:
     name the machine, the estimate, and the smallest change that makes it fit."""
-    from ..memory import estimate, flags, make_it_fit, worker_estimate
+    from ..machine.memory import estimate, flags, make_it_fit, worker_estimate
     o, shape, need = worker_estimate(config, strategy)
     for a in agents:
         offered = offered_memory(a)

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from ..records import EVENT, PROGRESS, ROW, STOP, TIME, run_summary
 from ..training.metrics import human_bytes
-from ..utilisation import process_start
+from ..machine.utilisation import process_start
 from ..worker_job import STOPPED_FOR_CHANGE
 from . import protocol
 from .discovery import AgentError, watch

@@ -22,7 +22,7 @@ import math
 from pathlib import Path
 
 from ..config import ConfigError, read_json
-from ..plot import amount_axis, label, loss_curves, save_figure
+from ..tools.plot import amount_axis, label, loss_curves, save_figure
 from ..objectives.kinds import DEFAULT, kind
 from ..records import CARD, ROW, SUMMARY, TIME_NAMES
 from ..training.metrics import MetricsLog, human_bytes

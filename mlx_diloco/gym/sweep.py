@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from ..config import ConfigError, TrainConfig
-from ..plot import save_figure, spread_axis, value_axis
+from ..tools.plot import save_figure, spread_axis, value_axis
 from ..records import CARD, ROW
 from ..run_folder import latest_step
 from . import scorecard

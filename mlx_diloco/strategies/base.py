@@ -36,7 +36,7 @@ from mlx.utils import tree_flatten
 from ..exchange.worker_axis import replica
 from ..models.precision import random_word, round_bf16_stochastically
 from ..options import AUTO, ConfigError, checked_value, did_you_mean, option  # noqa: F401 (option: strategies import it from here)
-from ..schedule import SyncSchedule
+from ..schedules.schedule import SyncSchedule
 from .outer_lr import with_outer_lr
 
 

@@ -34,7 +34,7 @@ from mlx.utils import tree_map
 
 from ..exchange.codecs import get_codec
 from ..exchange.worker_axis import placeholders
-from ..schedule import SyncSchedule
+from ..schedules.schedule import SyncSchedule
 from .base import NO_INPUTS, Strategy, TickInputs, default_inner_optimizer, option
 
 # The averaged moments: MLX's AdamW state names, the paper's ratio of each period to Kx, and the

@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..exchange.codecs import get_codec
 from ..exchange.worker_axis import placeholders
 from ..options import AUTO, ConfigError, NumberOrAuto
-from ..schedule import SyncSchedule
+from ..schedules.schedule import SyncSchedule
 from .base import NO_INPUTS, Strategy, TickInputs, codec_label, mean_gradients, option
 from .fragments import Fragment, gather, global_tree, offload_folder, partition
 from .outer_lr import auto_help, check_outer_lr

@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..records import OPTIONAL_META, PROGRESS, ROW, TIME
-from ..utilisation import mfu, peak_gflops
+from ..machine.utilisation import mfu, peak_gflops
 
 
 class RunClock:

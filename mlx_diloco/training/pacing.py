@@ -6,8 +6,8 @@ strategy's step needs of it comes as an argument (`inputs_at`: strategies.base.T
 
 import mlx.core as mx
 
-from ..membership import Schedule, Timeline
-from ..speeds import Speeds
+from ..schedules.membership import Schedule, Timeline
+from ..schedules.speeds import Speeds
 from ..strategies.base import NO_INPUTS, TickInputs
 
 

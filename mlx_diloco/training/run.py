@@ -31,13 +31,13 @@ from ..models.adapters import ADAPTERS, save_adapters
 from ..models.checkpointing import checkpoint_blocks
 from ..models.finetune import ADAPTER_TYPES, adapter_config, apply_fine_tune, is_quantized, trainable_count
 from ..models.precision import to_bf16
-from ..memory import model_shape
+from ..machine.memory import model_shape
 from ..models.zoo import count_parameters
 from ..objectives import make_objective
 from ..objectives.base import Context
 from ..objectives.rewards import RewardError
 from ..run_folder import check_new_run_dir, latest_step
-from ..utilisation import flops_per_token, process_start
+from ..machine.utilisation import flops_per_token, process_start
 from ..worker_job import WorkerJob
 from . import checkpoint
 from .checkpoint import in_order_of

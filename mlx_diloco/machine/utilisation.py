@@ -21,7 +21,7 @@ import platform
 import time
 from pathlib import Path
 
-from .atomic import atomic_write_text
+from ..atomic import atomic_write_text
 
 _IMPORTED_AT = time.time()
 
@@ -71,7 +71,7 @@ def matmul_gflops(n: int = 1024, repeats: int = 10) -> float:
 
 
 def _cache_path() -> Path:
-    from .data.datasets import cache_root  # ~/.cache/mlx-diloco, or $MLX_DILOCO_CACHE
+    from ..data.datasets import cache_root  # ~/.cache/mlx-diloco, or $MLX_DILOCO_CACHE
     return cache_root() / "peak-gflops.json"
 
 

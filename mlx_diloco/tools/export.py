@@ -5,12 +5,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .config import ConfigError, TrainConfig
-from .models import adapters
-from .models.zoo import ModelSpec, build_model, load_spec
-from .records import META, SavedArrays
-from .strategies import make_strategy
-from .training import checkpoint
+from ..config import ConfigError, TrainConfig
+from ..models import adapters
+from ..models.zoo import ModelSpec, build_model, load_spec
+from ..records import META, SavedArrays
+from ..strategies import make_strategy
+from ..training import checkpoint
 
 
 def load_trained_model(run_dir):

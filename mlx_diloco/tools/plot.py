@@ -4,16 +4,16 @@ import json
 import math
 from pathlib import Path
 
-from .config import ConfigError
-from .objectives.kinds import DEFAULT, kind
-from .records import ROW
-from .training.metrics import MetricsLog
+from ..config import ConfigError
+from ..objectives.kinds import DEFAULT, kind
+from ..records import ROW
+from ..training.metrics import MetricsLog
 
 
 def label(strategy: str, options: dict, config: dict) -> str:
     """A short name for a run: the strategy's label (what its options set apart), its pacing and
     membership schedule, and its objective where it is not SFT."""
-    from .strategies import make_strategy  # on call: the strategies import MLX
+    from ..strategies import make_strategy  # on call: the strategies import MLX
     try:
         parts = [make_strategy(strategy, options).label()]
     except ConfigError:  # a strategy this process has not registered (a user's own): its name

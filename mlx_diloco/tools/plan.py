@@ -4,15 +4,15 @@ codec, number of fragments (Streaming DiLoCo) and overlap; with --model, memory 
 
 from dataclasses import replace
 
-from .cluster import hostinfo
-from .config import DEFAULT_MAX_SEQ_LEN, TrainConfig
-from .exchange.codecs import get_codec
-from .exchange.comm import exchange_plan
-from .exchange.network import LINKS, Link, exchange_time, parse_link
-from .memory import (GB, GPU_SHARE, MAC_MEMORY_GB, MemoryOptions, estimate, flags, macs_it_fits, make_it_fit,
+from ..cluster import hostinfo
+from ..config import DEFAULT_MAX_SEQ_LEN, TrainConfig
+from ..exchange.codecs import get_codec
+from ..exchange.comm import exchange_plan
+from ..exchange.network import LINKS, Link, exchange_time, parse_link
+from ..machine.memory import (GB, GPU_SHARE, MAC_MEMORY_GB, MemoryOptions, estimate, flags, macs_it_fits, make_it_fit,
                      on_this_machine, trained_shape)
-from .strategies import make_strategy
-from .training.metrics import human_bytes
+from ..strategies import make_strategy
+from ..training.metrics import human_bytes
 
 # plan's flags are config keys and DiLoCo's options (their help from their fields, cli.py), with
 # what-if defaults of its own where sim's would not say much: a pair of machines, a large H, and

@@ -182,8 +182,8 @@ def trained_shape(config):
     trains, and the frozen base's bytes; a quantized base refused for full fine-tuning), without
     allocating the weights (MLX imported on call)."""
     from mlx.utils import tree_flatten
-    from .models.finetune import ADAPTER_TYPES, apply_fine_tune, frozen_bytes, is_quantized, trainable_count
-    from .models.zoo import build_model, count_parameters, load_spec
+    from ..models.finetune import ADAPTER_TYPES, apply_fine_tune, frozen_bytes, is_quantized, trainable_count
+    from ..models.zoo import build_model, count_parameters, load_spec
     spec = load_spec(config.model)
     model = build_model(spec, lazy=True)
     built = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
