@@ -27,12 +27,15 @@ from mlx_diloco.blas import ensure_fast_blas  # noqa: E402
 LINKS = {"1gbit": ("1gbit", "", "1gbit/0.05ms"), "100mbit": ("100mbit", "", "100mbit/0.05ms")}
 
 
-def run_job(cluster, folder: Path, name: str, flags: list) -> dict:
+def run_job(cluster, folder: Path, name: str, flags: list, env: dict = None) -> dict:
+    """`launch` a job of `flags` on the emulated cluster, its run folder folder/name (`env`: more of the
+    launcher's environment, e.g. PYTHONPATH: another checkout's); rank 0's last metrics row."""
     from mlx_diloco.cluster.emulated import SECRET
     run_dir = folder / name
+    folder.mkdir(parents=True, exist_ok=True)  # (and the launcher's directory: no checkout's package beside it)
     result = subprocess.run([sys.executable, "-m", "mlx_diloco", "launch", f"--hosts={cluster.hosts_flag}",
-                             "--run-dir", str(run_dir), *flags], capture_output=True, text=True,
-                            env={**os.environ, "MLX_DILOCO_SECRET": SECRET}, timeout=1200)
+                             "--run-dir", str(run_dir), *flags], capture_output=True, text=True, cwd=folder,
+                            env={**os.environ, "MLX_DILOCO_SECRET": SECRET, **(env or {})}, timeout=1200)
     if result.returncode != 0:
         raise SystemExit(f"{name} failed:\n{result.stderr[-3000:]}")
     return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])

@@ -44,7 +44,7 @@ def main():
     p.add_argument("--sync-every", type=int, default=50, help="DiLoCo H")
     args = p.parse_args()
 
-    from mlx_diloco.plot import plot_runs
+    from mlx_diloco.tools.plot import plot_runs
 
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)

@@ -93,7 +93,7 @@ def leave_and_join(tmp: Path, flags: list, kill_step: int, join_step: int) -> li
     finally:
         cluster.close()
     elastic, events = results(run_dir)
-    from mlx_diloco.plot import plot_runs
+    from mlx_diloco.tools.plot import plot_runs
     plot_runs([tmp / "whole", run_dir], Path(PLOT), title=f"host4 killed at step {kill_step}, host5 added at step "
               f"{join_step} (elastic) against 4 hosts uninterrupted")
     joined = re.findall(r"joined at step (\d+), from worker (\d+)'s state \(([\d,]+) bytes over the ring\)",
@@ -104,7 +104,7 @@ def leave_and_join(tmp: Path, flags: list, kill_step: int, join_step: int) -> li
             f"   final eval loss: uninterrupted {whole['final_eval_loss']:.4f}, elastic {elastic['final_eval_loss']:.4f} "
             f"({gap:+.2%})",
             f"   membership: {'; '.join(moves(events))}",
-            *[f"   {change_line(e)}" for e in elastic["membership_changes"]],
+            *[f"   {change_line(e)}" for e in elastic["changes"] if e["event"] == "membership_change"],
             f"   inner steps lost per slot (the lost worker's round): {elastic['inner_steps_lost']}",
             f"   tokens trained per shard: {elastic['tokens_per_shard']} (uninterrupted {whole['tokens_per_shard']})",
             *[f"   the joiner took the job's state at step {s} from worker {w}: {b} bytes over the ring"
@@ -136,7 +136,7 @@ def sleeping_laptop(tmp: Path, flags: list, stop_step: int, sleep_s: float) -> l
     evicted = next(e for e in events if e["event"] == "left")
     return [f"2. a sleeping laptop: 3 hosts, host3 SIGSTOPped for {sleep_s:.0f} s at step {stop_step}",
             f"   evicted {evicted['time'] - stopped_at:.1f} s after it slept; membership: {'; '.join(moves(events))}",
-            *[f"   {change_line(e)}" for e in summary["membership_changes"]],
+            *[f"   {change_line(e)}" for e in summary["changes"] if e["event"] == "membership_change"],
             f"   the job completed: {summary['steps']} steps, {summary['workers']} workers at the end, final eval loss "
             f"{summary['final_eval_loss']:.4f}; tokens per shard {summary['tokens_per_shard']}"]
 

@@ -68,7 +68,7 @@ def gap_plot(cards: list, out: Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from mlx_diloco.plot import loss_curves, save_figure
+    from mlx_diloco.tools.plot import loss_curves, save_figure
     from mlx_diloco.training.metrics import MetricsLog
 
     both = pairs(cards)

@@ -95,7 +95,7 @@ def summary_plot(cards: dict, out: Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from mlx_diloco.plot import save_figure
+    from mlx_diloco.tools.plot import save_figure
 
     cards = {name: runs for name, runs in cards.items() if runs}  # (a paced strategy alone skips equal speeds)
     fig, axes = plt.subplots(2, len(cards), figsize=(5.5 * len(cards), 8), squeeze=False)

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from mlx_diloco.cluster.hostinfo import memory_bytes  # noqa: E402
 from mlx_diloco.config import TrainConfig  # noqa: E402
-from mlx_diloco.memory import GB, macs_it_fits, worker_estimate  # noqa: E402
+from mlx_diloco.machine.memory import GB, macs_it_fits, worker_estimate  # noqa: E402
 from mlx_diloco.strategies import DiLoCo  # noqa: E402
 
 SHAPES = {"small": (16, 64), "gpt-10m": (16, 256), "llama-150m": (4, 512), "llama-1b": (4, 512)}

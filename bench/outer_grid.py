@@ -96,10 +96,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/bench/outer-grid")
     p.add_argument("--stage", choices=["landscape", "fit", "check"], nargs="+", default=["landscape"])
+    p.add_argument("--workers", type=int, nargs="+", help="only the cells of these M (two sweeps side by side)")
     args = p.parse_args()
     runs = Runs(args.out, "outer-grid.json")
     for stage in args.stage:
-        cells = {"landscape": LANDSCAPE, "fit": FIT, "check": CHECK}[stage]
+        cells = [c for c in {"landscape": LANDSCAPE, "fit": FIT, "check": CHECK}[stage]
+                 if not args.workers or c[0] in args.workers]
         print(f"# stage {stage}: {len(cells)} cells", flush=True)
         rows = run_cells(runs, stage, cells)
         (runs.out / f"{stage}.json").write_text(json.dumps(rows, indent=1))

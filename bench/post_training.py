@@ -39,7 +39,7 @@ def main():
     from mlx_diloco.config import TrainConfig
     from mlx_diloco.gym import scorecard
     from mlx_diloco.gym.problems import get_problem
-    from mlx_diloco.plot import plot_runs
+    from mlx_diloco.tools.plot import plot_runs
     from mlx_diloco.run_folder import latest_step
     from mlx_diloco.training.processes import simulate
 

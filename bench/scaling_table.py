@@ -154,7 +154,7 @@ def plot(runs: Runs, dp: dict, faithful: dict, rule: dict, seeds: dict, out: Pat
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from mlx_diloco.plot import save_figure
+    from mlx_diloco.tools.plot import save_figure
     from mlx_diloco.training.metrics import MetricsLog
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))

@@ -66,7 +66,7 @@ def main():
     args = p.parse_args()
 
     from compare_strategies import comparison_settings, train
-    from mlx_diloco.plot import plot_runs
+    from mlx_diloco.tools.plot import plot_runs
 
     bytes_table(1_123_712)
     if args.bytes_only:

@@ -45,7 +45,7 @@ def main():
     from mlx_diloco.exchange.comm import SimCommunicator
     from mlx_diloco.config import TrainConfig
     from mlx_diloco.exchange.network import modelled_time, parse_link
-    from mlx_diloco.plot import plot_runs
+    from mlx_diloco.tools.plot import plot_runs
     from mlx_diloco.training.run import Run
 
     out = Path(args.out)

@@ -22,7 +22,7 @@ import numpy as np
 from sklearn.datasets import load_digits
 
 from mlx_diloco import DDP, SPARTA, DiLoCo, Trainer
-from mlx_diloco.plot import plot_runs
+from mlx_diloco.tools.plot import plot_runs
 
 
 class MLP(nn.Module):

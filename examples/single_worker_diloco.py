@@ -19,7 +19,7 @@ if __name__ == "__main__":
 
 from mlx_diloco.gym.problems import get_problem
 from mlx_diloco.gym.sweep import run_sweep
-from mlx_diloco.plot import plot_runs
+from mlx_diloco.tools.plot import plot_runs
 from mlx_diloco.training.processes import simulate
 
 

@@ -32,17 +32,17 @@ import numpy as np
 from .config import ConfigError, TrainConfig, held_out_in_sequences
 from .data.datasets import ArrayExamples, BatchStream, Dataset
 from .exchange.comm import SimCommunicator
+from .exchange.ledger import ExchangeLedger
 from .exchange.network import modelled_time, parse_link
-from .export import global_parameters, trained_model
+from .tools.export import global_parameters, trained_model
 from .models.zoo import build_model, load_spec
 from .options import AUTO, did_you_mean, from_dict
+from .records import META, SUMMARY
 from .strategies import Strategy, make_strategy
-from .strategies.outer_lr import with_auto_outer
 from .training import checkpoint
 from .training.metrics import MetricsLog
 from .training.processes import choose_processes, run_processes, simulate
-from .training.period import with_period
-from .training.resolve import Parts
+from .training.resolve import Parts, strategy_for_job
 from .training.run import Run
 from .training.workers import check_loss
 
@@ -79,7 +79,7 @@ class FitResult:
     def modelled_time(self, link: str) -> float:
         """Seconds the run would take on `link` (a preset or 'BW/LATENCY'): compute, plus the
         part of each exchange that overlapped steps do not hide."""
-        return modelled_time(self.summary["compute_s"], self.exchanges, self.step_s, parse_link(link))
+        return modelled_time(self.summary[SUMMARY.compute_s], self.exchanges, self.step_s, parse_link(link))
 
 
 def as_strategy(strategy) -> Strategy:
@@ -151,6 +151,11 @@ class Trainer:
         self.eval = examples(train_data if eval_data is None else eval_data, "eval_data",
                              sequences=self.config.eval_sequences)
 
+    def trained_values(self) -> int:
+        """The values the model trains (what a sync exchanges)."""
+        model = self.built_model(self.config.seed) if isinstance(self.model, str) else self.model
+        return sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
+
     def fit(self, strategy, workers: int = None, steps: int = None, resume: bool = False, run_dir=None,
             processes: int = 0, callbacks=None) -> FitResult:
         """Train `workers` simulated replicas (default: the Trainer's setting, else sim's) for `steps`
@@ -159,20 +164,14 @@ class Trainer:
         exits); `resume` continues a run there. `processes`: K processes of workers/K replicas (0:
         as `sim` chooses, where the model can be rebuilt). `callbacks`: TrainingCallbacks that hear
         the run's reports (training/callbacks.py; they keep the run in this process)."""
-        workers = self.config.workers if workers is None else workers
-        steps = self.config.steps if steps is None else steps
         strategy = as_strategy(strategy)
-        if getattr(strategy, "sync_every", None) == AUTO:  # the period first: the outer step's rule reads H
-            model = self.built_model(self.config.seed) if isinstance(self.model, str) else self.model
-            values = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
-            strategy, notes = with_period(replace(self.config, workers=workers, steps=steps), strategy, values)
-            for note in notes:
-                self.log(note)
-        strategy, auto = with_auto_outer(strategy, workers, steps)  # auto: the run records its numbers
-        if auto:
-            self.log(auto.why())
-        config = replace(self.config, workers=workers, steps=steps, strategy=strategy.name,
+        config = replace(self.config, workers=self.config.workers if workers is None else workers,
+                         steps=self.config.steps if steps is None else steps, strategy=strategy.name,
                          strategy_options=strategy.options())
+        values = self.trained_values() if getattr(strategy, "sync_every", None) == AUTO else None
+        strategy, config, notes = strategy_for_job(strategy, config, values, api=True)  # auto: the run records their numbers
+        for note in notes:
+            self.log(note)
         config.check_values()  # and against the strategy: where the run gets it (Run, or resolve in processes)
         if self.data_path is not None:
             return self.fit_from_files(config, self.folder(run_dir, strategy), processes, resume, callbacks)
@@ -253,5 +252,6 @@ class Trainer:
         last checkpoint's `meta` where the caller has read it)."""
         meta = meta or checkpoint.load(run_dir, log=lambda m: None)[1]
         summary = json.loads((run_dir / "summary.json").read_text())
-        return FitResult(model, MetricsLog.read(run_dir), summary["bytes_sent_per_worker"], summary, run_dir,
-                         [tuple(e) for e in meta["exchanges"]["log"]], meta["compute_s"] / max(meta["step"], 1))
+        ledger = ExchangeLedger.from_state(meta[META.exchanges])
+        return FitResult(model, MetricsLog.read(run_dir), summary[SUMMARY.bytes_sent_per_worker], summary, run_dir,
+                         ledger.log, meta[META.compute_s] / max(meta[META.step], 1))

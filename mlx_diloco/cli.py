@@ -12,7 +12,9 @@ from .cluster.launch_options import LaunchOptions
 from .cluster.protocol import DEFAULT_PORT
 from .dashboard.server import DEFAULT_PORT as DASHBOARD_PORT
 from .config import ConfigError, TrainConfig
+from .objectives.kinds import kind
 from .options import NumberOrAuto, WholeOrAuto
+from .records import SUMMARY
 
 def add_config_flags(parser):
     """A flag for every config key, and for every option of every strategy (strategies/), each
@@ -47,7 +49,7 @@ def shared_help(kinds: dict) -> str:
 
 def add_plan_flags(parser):
     """`plan`'s memory and what-if flags: config keys and its strategy's options, with plan's defaults."""
-    from .plan import FLAGS, STRATEGY, WHAT_IF
+    from .tools.plan import FLAGS, STRATEGY, WHAT_IF
     from .strategies import strategy_class
     known = {f.name: f for f in (*fields(TrainConfig), *fields(strategy_class(STRATEGY)))}
     for name in FLAGS:
@@ -106,7 +108,7 @@ def cmd_sim(args):
     print_summary(simulate(config, run_dir, args.processes, args.resume, log=lambda m: print(m, file=sys.stderr)))
     from .models.zoo import load_spec
     if load_spec(config.model).is_language_model and args.sample_tokens:
-        from .generate import default_prompt, generate
+        from .tools.generate import default_prompt, generate
         prompt = default_prompt(run_dir) if args.prompt is None else args.prompt
         print("\nsample:\n" + prompt + "".join(generate(run_dir, prompt, args.sample_tokens)))
 
@@ -230,7 +232,8 @@ def cmd_discover(args):
 
 def cmd_launch(args):
     from .cluster.launcher import JobFailed, JobState, Launcher
-    from .gym.scorecard import time_spent
+    from .cluster.supervisor import Supervisor
+    from .gym.scorecard import time_spent, time_split
     from .cluster.protocol import load_secret
     secret = load_secret(secret_file=args.secret_file)
     if args.resume:
@@ -247,7 +250,7 @@ def cmd_launch(args):
         mlx_file = MlxHostfile.read(args.hostfile) if args.hostfile else None  # its machines' agents, in its order
         found = [Found(h.agent_address, DEFAULT_PORT) for h in mlx_file.hosts] if mlx_file else found_agents(args)
         config = config_from_flags(args, defaults={"workers": len(found)})
-        if config.objective != "sft":  # its data's shards and a reward file's rule on the agents are to come
+        if kind(config.objective).post_training:  # its data's shards and a reward file's rule on the agents are to come
             raise ConfigError(f"launch --objective {config.objective} is not supported yet; train it with "
                               "'mlx-diloco sim' (docs/post-training.md)")
         options = LaunchOptions(**given_flags(args, "launch_keys"), discover=not (args.hosts or mlx_file))
@@ -261,12 +264,12 @@ def cmd_launch(args):
                          f"--run-dir {launcher.run_dir}")
     start_dashboard(args, launcher.run_dir, secret)
     try:
-        s = launcher.run(resume=args.resume)
+        s = Supervisor(launcher).run(resume=args.resume)  # the job's life after its start
     except JobFailed as e:
         raise ConfigError(f"job failed: {e}")
-    print(f"\njob {s['job']} in {s['run_dir']}: {s['workers']} workers, {s['steps']} steps, "
-          f"final eval loss {s['final_eval_loss']:.4f}, {s['restarts']} restart(s)")
-    print(f"measured on the workers: {time_spent(s)}")
+    print(f"\njob {s[SUMMARY.job]} in {s[SUMMARY.run_dir]}: {s[SUMMARY.workers]} workers, {s[SUMMARY.steps]} steps, "
+          f"final eval loss {s[SUMMARY.final_eval_loss]:.4f}, {s[SUMMARY.restarts]} restart(s)")
+    print(f"measured on the workers: {time_spent(s)}\nwhere the time went: {time_split(s)}")
 
 
 def start_dashboard(args, run_dir: Path, secret: bytes = None):
@@ -301,29 +304,31 @@ def cmd_secret(args):
 
 
 def print_summary(s):
-    from .gym.scorecard import time_spent
+    from .gym.scorecard import time_spent, time_split
     from .training.metrics import human_bytes
-    print(f"\nrun {s['run_dir']}: {s['strategy']} x{s['workers']}, {s['steps']} steps, "
-          f"{trained_on(s)}, final eval loss {s['final_eval_loss']:.4f}")
-    print(f"each worker sent {human_bytes(s['bytes_sent_per_worker'])}; on {s['link']}: compute "
-          f"{s['compute_s']:.1f} s + exchange {s['modelled_comm_s']:.2f} s, utilisation {s['utilisation']:.1%}")
-    print(f"measured here: {time_spent(s)}")
-    if s.get("peak_memory_bytes"):
-        print(f"peak memory {human_bytes(s['peak_memory_bytes'])} per process ({s['workers_per_process']} "
-              f"worker{'s' if s['workers_per_process'] > 1 else ''} each)")
-    if s.get("kernels"):
-        print(f"ran on {s['kernels']}; inner step: {s['inner_step']}")
+    print(f"\nrun {s[SUMMARY.run_dir]}: {s[SUMMARY.strategy]} x{s[SUMMARY.workers]}, {s[SUMMARY.steps]} steps, "
+          f"{trained_on(s)}, final eval loss {s[SUMMARY.final_eval_loss]:.4f}")
+    print(f"each worker sent {human_bytes(s[SUMMARY.bytes_sent_per_worker])}; on {s[SUMMARY.link]}: compute "
+          f"{s[SUMMARY.compute_s]:.1f} s + exchange {s[SUMMARY.modelled_comm_s]:.2f} s, utilisation "
+          f"{s[SUMMARY.utilisation]:.1%}")
+    print(f"measured here: {time_spent(s)}\nwhere the time went: {time_split(s)}")
+    if s.get(SUMMARY.peak_memory_bytes):
+        per_process = s[SUMMARY.workers_per_process]
+        print(f"peak memory {human_bytes(s[SUMMARY.peak_memory_bytes])} per process ({per_process} "
+              f"worker{'s' if per_process > 1 else ''} each)")
+    if s.get(SUMMARY.kernels):
+        print(f"ran on {s[SUMMARY.kernels]}; inner step: {s[SUMMARY.inner_step]}")
 
 
 def trained_on(s: dict) -> str:
     """'40,960 tokens', or for data that is not tokens (images, features) '12,800 examples'."""
-    if s.get("tokens") is not None:
-        return f"{s['tokens']:,} tokens"
-    return f"{s.get('examples') or 0:,} examples (the data is not tokens)"
+    if s.get(SUMMARY.tokens) is not None:
+        return f"{s[SUMMARY.tokens]:,} tokens"
+    return f"{s.get(SUMMARY.examples) or 0:,} examples (the data is not tokens)"
 
 
 def cmd_plan(args):
-    from .plan import print_plan
+    from .tools.plan import print_plan
     given, links = given_flags(args), args.link
     if args.cluster:  # the slowest hop, as measured, of the ring the launcher would make of the agents
         from .cluster.linktests import cluster_link
@@ -370,12 +375,12 @@ def cmd_linktest(args):
 
 
 def cmd_plot(args):
-    from .plot import plot_runs
+    from .tools.plot import plot_runs
     print(plot_runs(args.runs, args.out, args.title))
 
 
 def cmd_generate(args):
-    from .generate import default_prompt, generate
+    from .tools.generate import default_prompt, generate
     prompt = default_prompt(args.run) if args.prompt is None else args.prompt
     pieces = generate(args.run, prompt, args.max_tokens, args.temperature, args.seed)  # fails before any output
     print(prompt, end="", flush=True)
@@ -385,14 +390,14 @@ def cmd_generate(args):
 
 
 def cmd_export(args):
-    from .export import export_mlx_lm
+    from .tools.export import export_mlx_lm
     out = export_mlx_lm(args.run, args.out, fuse=args.fuse)
     how = "mlx_lm.load(BASE, adapter_path=...)" if (out / "adapter_config.json").is_file() else "mlx_lm.load"
     print(f"wrote {out} (load with {how})")
 
 
 def cmd_doctor(args):
-    from .doctor import report
+    from .tools.doctor import report
     print("\n".join(report()))
 
 

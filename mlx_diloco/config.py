@@ -14,10 +14,11 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from .exchange.network import parse_link
-from .membership import Schedule, check_strategy as check_membership
+from .schedules.membership import Schedule, check_strategy as check_membership
 from .mlx_lm_config import read_yaml_config
+from .objectives.kinds import DEFAULT as DEFAULT_OBJECTIVE, OBJECTIVES
 from .options import ConfigError, from_dict, option, read_json, shown  # ConfigError: most callers import it from here
-from .speeds import Speeds
+from .schedules.speeds import Speeds
 
 
 PRECISIONS = ("fp32", "bf16")
@@ -25,7 +26,6 @@ FINE_TUNE_TYPES = ("full", "lora", "dora")  # mlx-lm's names (models/finetune.py
 REPORTERS = ("wandb", "swanlab")  # mlx-lm's get_reporting_callbacks (training/callbacks.py)
 MAX_AUTO_WARMUP = 50  # warmup -1: a fifth of the run, at most this many steps (TrainConfig.warmup_steps)
 DEFAULT_MAX_SEQ_LEN = 1024  # what seq-len 0 stands for at most (a model folder may allow 32K)
-OBJECTIVES = ("sft", "dpo", "orpo", "grpo")  # objectives/
 DEFAULT_BETA = {"dpo": 0.1, "orpo": 0.1, "grpo": 0.0}  # TRL's (mlx-lm-lora's GRPO: 0.1)
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -70,7 +70,7 @@ class TrainConfig:
                                 "self_attn.q_proj,self_attn.v_proj (mlx-lm's lora_parameters.keys; '': every "
                                 "linear layer)")
     # Post-training objectives (objectives/; docs/post-training.md), under mlx-lm-lora's and TRL's names
-    objective: str = option("sft", "sft (next-token loss on the data), dpo or orpo (JSONL of prompt, chosen, "
+    objective: str = option(DEFAULT_OBJECTIVE, "sft (next-token loss on the data), dpo or orpo (JSONL of prompt, chosen, "
                                    "rejected), grpo (JSONL of prompt, answer: completions sampled and rewarded); "
                                    "mlx-lm-lora's train_mode")
     beta: float = option(-1.0, "dpo: the loss's beta; orpo: the odds-ratio term's weight (lambda); grpo: the KL "
@@ -266,8 +266,9 @@ class TrainConfig:
     def check_objective(self, need):
         """The post-training options' values (objectives/ checks what needs the data or the reward file)."""
         need(self.objective in OBJECTIVES, f"objective must be one of {', '.join(OBJECTIVES)} (got '{self.objective}')")
-        need(not self.loss or self.objective == "sft", f"loss is the sft objective's; objective {self.objective} "
-                                                        "has its own: drop --loss")
+        takes_a_loss = self.objective not in OBJECTIVES or OBJECTIVES[self.objective].takes_a_loss
+        need(not self.loss or takes_a_loss, f"loss is the sft objective's; objective {self.objective} has its own: "
+                                            "drop --loss")
         need(self.beta >= 0 or self.beta == -1, f"beta must be >= 0, or -1 for the objective's default (got {self.beta})")
         need(self.rpo_alpha >= 0 and math.isfinite(self.rpo_alpha), f"rpo-alpha must be a finite number >= 0 (got {self.rpo_alpha})")
         need(self.group_size >= 2, f"group-size must be >= 2: GRPO's advantages compare a prompt's completions "

@@ -4,7 +4,7 @@ and whether a folder already holds a run. MLX-free: the agent reads its workers'
 it (training/checkpoint.py writes and loads their arrays).
 
 A checkpoint is two files: `ckpt-STEP.safetensors` (the arrays) and `ckpt-STEP.json` (its meta,
-below). `latest.json` names the newest complete one."""
+records.META). `latest.json` names the newest complete one."""
 
 import json
 import os
@@ -12,30 +12,12 @@ import struct
 from pathlib import Path
 
 from .options import ConfigError
+from .records import META, OPTIONAL_META
 
 LAYOUT = 2  # the checkpoint layout this version writes and reads; the versions before it wrote 1
 
-# A checkpoint's meta (ckpt-STEP.json): every key, always present. A change here is a new LAYOUT.
-META = {
-    "layout": "the layout that wrote it (LAYOUT); the versions before layouts had none: 1",
-    "step": "steps taken",
-    "config": "the run's config, flat (TrainConfig.to_dict())",
-    "cursors": "each local worker's data sampler state, a list",
-    "compute_s": "seconds spent computing so far, a float",
-    "worker_speeds": "the workers' measured relative speeds, a list, or None",
-    "exchanges": "the exchange ledger's state (ExchangeLedger.state())",
-    "model_preset": "the model's preset, a dict, or None (a model folder)",
-    "vocab_size": "the data's vocabulary size, an int, or None",
-}
-# Keys a checkpoint may lack (those written before them did).
-OPTIONAL_META = {
-    "waits_s": "seconds this worker waited on its peers so far: for the link ('link_s') and for slower "
-               "workers ('straggler_s')",
-    "membership": "an elastic cluster worker's: the slots of its ring's workers ('ring_slots') and who left "
-                  "and joined so far ('history', membership.py's syntax)",
-    "objective": "a post-training objective's running totals (objectives/: each local worker's tokens generated "
-                 "and trained, seconds generating and training), a dict",
-}
+# A checkpoint's meta: records.py declares its keys (META, always present; OPTIONAL_META, which older
+# checkpoints lack). A change to META is a new LAYOUT.
 
 
 def _step_of(path: Path) -> int:

@@ -3,8 +3,8 @@ most twice a second while the run trains. The dashboard (dashboard/) reads it; n
 from it. MLX-free: the launcher writes it for a cluster, a callback (training/callbacks.py) for sim.
 
     {"time": unix seconds, "source": "sim" | "launch", "step": the job's, "steps": the run's,
-     "workers": [{"worker", "host", "state", "step", "steps_per_s", "tokens_per_s", "loss",
-                  and, when known, the keys of PASSED}]}
+     "workers": [a row of records.STATUS per worker: its machine, state, step, steps per second,
+                 tokens per second, loss and, when known, the keys of PASSED]}
 
 A process of `sim --processes` that is not the reporter writes the workers it trains to
 `worker-W/status.json` (its checkpoint folder): `read` joins the parts.
@@ -17,6 +17,7 @@ from collections import deque
 from pathlib import Path
 
 from .atomic import atomic_write_text
+from .records import PROGRESS, STATUS
 
 FILE = "status.json"
 INTERVAL_S = 0.5  # the least time between two writes
@@ -35,8 +36,8 @@ STATES = {
 }
 
 # Keys of a train report (or a cluster worker's progress file) passed through as they are.
-PASSED = ("sync_s", "bytes_sent", "compute_s", "link_s", "straggler_s", "restart_s", "mfu",
-          "memory_bytes", "memory_limit_bytes")
+PASSED = (PROGRESS.sync_s, PROGRESS.bytes_sent, PROGRESS.compute_s, PROGRESS.link_s, PROGRESS.straggler_s,
+          PROGRESS.mfu, PROGRESS.memory_bytes, PROGRESS.memory_limit_bytes, PROGRESS.process_s, PROGRESS.time_s)
 
 
 class StepRate:
@@ -92,11 +93,11 @@ def read(run_dir: Path, say=lambda message: None):
             status["workers"] += other["workers"]
     rows = []
     for w in status["workers"]:
-        if isinstance(w, dict) and _is_id(w.get("worker")):
+        if isinstance(w, dict) and _is_id(w.get(STATUS.worker)):
             rows.append(w)
         else:
             say(f"passed over a row of {FILE} that is not a worker's: {json.dumps(w)[:200]}")
-    status["workers"] = sorted(rows, key=lambda w: (w.get("worker") is None, w.get("worker") or 0))
+    status["workers"] = sorted(rows, key=lambda w: (w.get(STATUS.worker) is None, w.get(STATUS.worker) or 0))
     return status
 
 

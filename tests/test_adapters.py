@@ -107,7 +107,7 @@ def test_mlx_lm_fuse_cli_fuses_our_adapters_into_a_model_with_the_same_logits(ba
 
 
 def test_generate_of_a_chat_run_goes_through_the_chat_template(base, tmp_path):
-    from mlx_diloco.generate import default_prompt, generate, trained_on_chat
+    from mlx_diloco.tools.generate import default_prompt, generate, trained_on_chat
     from mlx_lm.utils import load_tokenizer
     run = tmp_path / "run"
     model, config = adapted_model(base, "lora")
@@ -129,7 +129,7 @@ def test_a_lora_run_writes_its_global_adapters_that_mlx_lm_loads(base, tmp_path)
     from mlx_lm.utils import load, load_model
     from mlx_diloco.config import TrainConfig
     from mlx_diloco.exchange.comm import SimCommunicator
-    from mlx_diloco.export import global_parameters
+    from mlx_diloco.tools.export import global_parameters
     from mlx_diloco.models.finetune import apply_fine_tune
     from mlx_diloco.training import checkpoint
     from mlx_diloco.training.run import Run

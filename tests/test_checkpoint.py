@@ -210,7 +210,7 @@ def test_export_reads_the_global_model_as_the_strategy_keeps_it(tmp_path, strate
     """export builds the run's strategy from the checkpoint and asks it for the global model: what
     a run resumed from that checkpoint holds. Mid-round (step 4 of a streaming run, whose first
     fragment synced at step 2), the workers' replicas are not the global model."""
-    from mlx_diloco.export import load_trained_model
+    from mlx_diloco.tools.export import load_trained_model
     from mlx_diloco.strategies import STRATEGIES
     assert strategy in STRATEGIES
     config = tiny_config(strategy=strategy, steps=12, eval_every=4, **options)  # H = 4 where there is one

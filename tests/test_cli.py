@@ -106,6 +106,6 @@ def test_plan_suggests_no_more_memory_than_here_and_explains_its_columns():
 
 
 def test_doctor_says_how_it_sizes_image_models():
-    from mlx_diloco.doctor import preset_lines
+    from mlx_diloco.tools.doctor import preset_lines
     lines = preset_lines()
     assert "image models at batch 4" in lines[0] and "cnn (images)" in "\n".join(lines)

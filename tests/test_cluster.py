@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten
 from conftest import tiny_config
 from mlx_diloco.cluster.emulated import SECRET, EmulatedCluster, can_build
 from mlx_diloco.exchange.comm import SimCommunicator
-from mlx_diloco.export import load_trained_model
+from mlx_diloco.tools.export import load_trained_model
 from mlx_diloco.training.run import Run
 
 pytestmark = pytest.mark.skipif(bool(can_build()), reason=can_build())

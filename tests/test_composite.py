@@ -9,7 +9,8 @@ from mlx.utils import tree_flatten
 from conftest import tiny_config
 from mlx_diloco.config import ConfigError
 from mlx_diloco.exchange.comm import SimCommunicator
-from mlx_diloco.plot import label
+from mlx_diloco.tools.plot import label
+from mlx_diloco.records import SavedArrays
 from mlx_diloco.strategies import SPARTA, DiLoCo, SPARTADiLoCo, make_strategy
 from mlx_diloco.training.run import Run
 
@@ -62,7 +63,7 @@ def test_a_composite_checkpoints_each_part_resumes_and_reads_its_global_model_ba
     assert resumed["final_eval_loss"] == whole["final_eval_loss"]
     state = run.strategy.state()
     assert set(state) == {"sparta", "diloco"} and "fragments" in state["diloco"]
-    arrays = {"workers": {"params": run.workers.params}, "strategy": state}
+    arrays = SavedArrays(run.workers.params, {}, state)
     global_model = run.strategy.global_params(run.workers.params)
     want = dict(tree_flatten(global_model))
     got = dict(tree_flatten(run.strategy.global_from_state(global_model, arrays)))  # a template: its shapes
@@ -118,7 +119,8 @@ def outer_steps(strategy, rounds):
 @pytest.mark.parametrize("offload", [False, True])
 def test_outer_adam_is_adam_on_the_mean_pseudo_gradient(offload):
     lr, b1, b2, eps = 0.05, 0.9, 0.99, 1e-8
-    strategy = DiLoCo(sync_every=1, outer_optimizer="adam", outer_lr=lr, compress="fp32", offload_outer=offload)
+    strategy = DiLoCo(sync_every=1, outer_optimizer="adam", outer_lr=lr, outer_momentum=b1, compress="fp32",
+                      offload_outer=offload)
     seen, got = outer_steps(strategy, 3)
     theta, m, v = initial(), np.zeros(6), np.zeros(6)
     for t, local in enumerate(seen, start=1):

@@ -15,7 +15,7 @@ from conftest import tiny_llama_folder
 from mlx_diloco.config import ConfigError, TrainConfig
 from mlx_diloco.exchange.codecs import get_codec
 from mlx_diloco.exchange.comm import SimCommunicator, exchange_plan
-from mlx_diloco.memory import MemoryOptions, estimate, trained_shape
+from mlx_diloco.machine.memory import MemoryOptions, estimate, trained_shape
 from mlx_diloco.models.finetune import adapter_config, apply_fine_tune
 from mlx_diloco.strategies import make_strategy
 from mlx_diloco.training.callbacks import TrainingCallback

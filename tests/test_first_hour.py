@@ -242,12 +242,14 @@ def test_every_imported_package_is_declared():
 
 def test_worker_failure_names_the_last_line_not_a_list(tmp_path):
     from mlx_diloco.cluster.launcher import JobState, Launcher, Member
+    from mlx_diloco.cluster.job_files import Mirror
+    from mlx_diloco.cluster.supervisor import Heartbeat
     state = JobState("j", tiny_config().to_dict(), [Member("127.0.0.1", 1, 0, "mini")], 1, {})
     launcher = Launcher(state, tmp_path, b"s" * 20, **QUIET)
     launcher.started_at = time.time()
-    failure = launcher._failure({0: {"state": "exited", "returncode": 1, "progress": None,
-                                     "log_tail": "Traceback...\nValueError: boom\n"}})
-    assert failure["why"].endswith("exited with code 1: ValueError: boom")
+    failure = Heartbeat(launcher, Mirror(tmp_path)).failure({0: {"state": "exited", "returncode": 1, "progress": None,
+                                                                 "log_tail": "Traceback...\nValueError: boom\n"}})
+    assert failure.why.endswith("exited with code 1: ValueError: boom")
 
 
 # issue 20, item 13: what a new user reads

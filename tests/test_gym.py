@@ -12,7 +12,7 @@ from mlx_diloco.config import ConfigError, TrainConfig
 from mlx_diloco.exchange.comm import SimCommunicator
 from mlx_diloco.gym import scorecard
 from mlx_diloco.gym.problems import PROBLEMS
-from mlx_diloco.speeds import Speeds
+from mlx_diloco.schedules.speeds import Speeds
 from mlx_diloco.training.metrics import MetricsLog
 from mlx_diloco.training.resolve import resolve
 from mlx_diloco.training.run import Run
@@ -120,7 +120,7 @@ def test_time_paced_workers_take_the_steps_that_fit(tmp_path):
     config = TrainConfig.from_dict(dict(TINY, workers=2, steps=8, sync_every=4, worker_speeds="1,0.5",
                                         speed_policy="time", step_time=0.1, warmup=0))
     run = Run(config, tmp_path / "t", SimCommunicator(2), log=lambda m: None)
-    assert run.strategy.sync_weights == pytest.approx([4 / 3, 2 / 3])
+    assert run.pacing.inputs_at(4).sync_weights == pytest.approx([4 / 3, 2 / 3])
     before = {k: np.array(v) for k, v in tree_flatten(run.workers.params)}
     run.train(stop_after=1)  # tick 1: only the fast worker steps
     after = dict(tree_flatten(run.workers.params))
@@ -187,7 +187,7 @@ def test_plot_axes_and_labels_say_what_the_runs_are(tmp_path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from mlx_diloco.plot import label, run_label, spread_axis, value_axis
+    from mlx_diloco.tools.plot import label, run_label, spread_axis, value_axis
     fig, (a, b, c, d) = plt.subplots(1, 4)
     value_axis(a, [10, 20, 30])  # H: a tick at each value (a log2 axis ticked only "2^4" before)
     assert a.get_xscale() == "linear" and [t.get_text() for t in a.get_xticklabels()] == ["10", "20", "30"]

@@ -12,18 +12,24 @@ ROOT = Path(__file__).resolve().parent.parent
 # are module prefixes (a package stands for its modules).
 LAYERS = [
     ("leaves", ["options", "atomic", "blas"]),  # errors and typed values, atomic files, the BLAS fix
-    ("parts", ["config", "mlx_lm_config", "hub", "speeds", "membership", "run_folder", "run_status", "records", "schedule", "sync_period", "worker_job", "memory", "utilisation", "exchange", "models", "data"]),
+    # what a run is and writes down (its config, records and files, a worker's job), when its workers train
+    # and meet (schedules/), what a worker needs of a machine (machine/), and the parts a run is made of
+    ("parts", ["objectives.kinds", "config", "mlx_lm_config", "records", "run_folder", "run_status", "worker_job",
+               "schedules", "hub", "machine", "exchange", "models", "data"]),
     ("strategies", ["strategies", "objectives"]),  # and the objectives (post-training)
     ("training", ["training"]),
-    ("tools", ["export", "generate", "plot", "plan", "doctor", "gym", "cluster", "dashboard"]),  # what the commands run
+    ("tools", ["tools", "gym", "cluster", "dashboard"]),  # what the commands run
     ("entry points", ["api", "cli", "__main__"]),
 ]
 # The package's __init__ holds the version (which anything may read) and hands out the API on first use.
 FACADE = "mlx_diloco"
 # Imported without MLX: what the agent, discover and the launcher's planning run on (a Mac's agent stays small).
-MLX_FREE = ["options", "atomic", "blas", "config", "mlx_lm_config", "hub", "speeds", "membership", "run_folder", "run_status", "records", "schedule", "sync_period", "worker_job", "memory", "utilisation",
-            "exchange.network", "exchange.ledger", "cluster.agent", "cluster.discovery", "cluster.protocol",
-            "cluster.hostinfo", "cluster.launcher", "cluster.ringplan", "cluster.backend", "cluster.hostfile", "dashboard.server",
+MLX_FREE = ["options", "atomic", "blas", "objectives.kinds", "config", "mlx_lm_config", "records", "run_folder",
+            "run_status", "worker_job", "schedules.schedule", "schedules.speeds", "schedules.membership",
+            "schedules.sync_period", "hub", "machine.memory", "machine.utilisation", "exchange.network", "exchange.ledger",
+            "cluster.agent", "cluster.discovery", "cluster.protocol", "cluster.hostinfo", "cluster.launcher",
+            "cluster.supervisor", "cluster.job_files", "cluster.ringplan", "cluster.backend", "cluster.hostfile",
+            "dashboard.server",
             "cluster.links", "cluster.linktests"]
 
 

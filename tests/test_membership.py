@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten
 from conftest import run_cli, tiny_config
 from mlx_diloco.config import ConfigError, TrainConfig
 from mlx_diloco.exchange.comm import SimCommunicator
-from mlx_diloco.membership import Change, Schedule, Timeline
+from mlx_diloco.schedules.membership import Change, Schedule, Timeline
 from mlx_diloco.strategies.fragments import gather
 from mlx_diloco.training import checkpoint
 from mlx_diloco.training.metrics import MetricsLog
@@ -219,7 +219,7 @@ def test_two_fragments_admit_a_joiner_with_every_fragments_global_values(tmp_pat
     assert all(np.array_equal(params[k][3], v) for k, v in global_model.items())
     assert any(not np.array_equal(params[k][0], v) for k, v in global_model.items())  # members hold their own
     step_to(run, 10)  # fragment 0's sync: steps 7..10, worker 3 took 9 and 10
-    assert run.strategy.sync_weights[2] == pytest.approx([16 / 14] * 3 + [8 / 14])
+    assert run.pacing.inputs_at(10).sync_weights[2] == pytest.approx([16 / 14] * 3 + [8 / 14])
     summary = run.train()
     assert summary["tokens_per_shard"] == [12 * 64] * 3 + [8 * 64] and math.isfinite(summary["final_eval_loss"])
 

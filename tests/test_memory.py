@@ -16,7 +16,7 @@ from mlx_diloco.cluster.emulated import SECRET, EmulatedCluster, can_build
 from mlx_diloco.config import TrainConfig
 from mlx_diloco.exchange.comm import SimCommunicator
 from mlx_diloco.exchange.worker_axis import stack_copies
-from mlx_diloco.memory import GB, MemoryOptions, estimate, make_it_fit, model_shape
+from mlx_diloco.machine.memory import GB, MemoryOptions, estimate, make_it_fit, model_shape
 from mlx_diloco.models.zoo import ModelSpec, build_model, load_spec
 from mlx_diloco.strategies.diloco import DiLoCo
 from mlx_diloco.training import checkpoint
@@ -205,7 +205,7 @@ def test_the_offloaded_global_model_is_built_one_fragments_values_at_a_time():
     model = build_model(spec)
     model.set_dtype(mx.bfloat16)  # a bf16 model keeps fp32 global values
     params = model.trainable_parameters()
-    strategy = DiLoCo(fragments=8, offload_outer=True).bind(SimCommunicator(1), steps=10)
+    strategy = DiLoCo(fragments=8, offload_outer=True).for_job(1, 10).bind(SimCommunicator(1), steps=10)
     strategy.setup(params)
     fp32 = 4 * sum(v.size for _, v in tree_flatten(params))
     del model, params
@@ -223,7 +223,7 @@ def test_a_sync_handed_the_parameters_frees_each_old_value_as_its_new_one_lands(
     elsewhere, a sync holds one model's values, not the old and the new one together."""
     model = build_model(load_spec("small"))
     model.set_dtype(mx.bfloat16)
-    strategy = DiLoCo(sync_every=1, fragments=5).bind(SimCommunicator(1), steps=10)
+    strategy = DiLoCo(sync_every=1, fragments=5).for_job(1, 10).bind(SimCommunicator(1), steps=10)
     strategy.setup(model.trainable_parameters())
 
     def stacked():  # the workers' own copy (stack_copies alone would be a view of the model's arrays)
@@ -263,8 +263,8 @@ def test_plan_of_adapters_exchanges_the_adapters_and_names_their_share_of_the_mo
     times the codec's bytes (fp16: 2), beside the full model's; its sync times are theirs."""
     from mlx_diloco.exchange.codecs import get_codec
     from mlx_diloco.exchange.comm import exchange_plan
-    from mlx_diloco.memory import trained_shape
-    from mlx_diloco.plan import print_plan
+    from mlx_diloco.machine.memory import trained_shape
+    from mlx_diloco.tools.plan import print_plan
     from mlx_diloco.training.metrics import human_bytes
     _, shape = trained_shape(TrainConfig(model="llama-1b", fine_tune_type="lora"))
     print_plan({"fine_tune_type": "lora", "seq_len": 512, "batch_size": 4}, model="llama-1b", links=["1gbe"])
@@ -287,7 +287,7 @@ def test_a_quantized_preset_is_built_as_mlx_lm_loads_a_quantized_folder_and_trai
     parameters, the packed base (4 bits and an fp32 scale and bias per 64 values) and the adapters;
     full fine-tuning is refused, and a malformed quantization is one line."""
     from mlx_lm.utils import load_model, save_config, save_model
-    from mlx_diloco.memory import trained_shape
+    from mlx_diloco.machine.memory import trained_shape
     from mlx_diloco.options import ConfigError
     tiny = {**load_spec("llama-tiny").params, "quantization": {"group_size": 32, "bits": 4}}
     (tmp_path / "tiny-4bit.json").write_text(json.dumps(tiny))

@@ -16,7 +16,7 @@ def global_losses(options, peak=0.02, workers=8, H=50, steps=250, n=2000, seed=0
     rng = np.random.default_rng(seed)
     curvature = np.exp(rng.uniform(np.log(0.1), np.log(10), n))
     options = {"outer_lr": 0.6, **options}  # auto's number when this was measured: the momentum is what differs
-    strategy = MuLoCo(sync_every=H, compress="fp32", **options).bind(SimCommunicator(workers), steps)
+    strategy = MuLoCo(sync_every=H, compress="fp32", **options).for_job(workers, steps).bind(SimCommunicator(workers), steps)
     start = rng.normal(size=n).astype(np.float32)
     strategy.setup({"w": mx.array(start)})
     params, losses = np.repeat(start[None], workers, axis=0), []

@@ -2,7 +2,7 @@ import pytest
 
 from conftest import run_cli
 from mlx_diloco.exchange.network import LINKS, all_reduce_time, parse_link
-from mlx_diloco.plan import plan
+from mlx_diloco.tools.plan import plan
 
 
 def test_seed_blog_sync_times():

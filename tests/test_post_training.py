@@ -187,7 +187,7 @@ def test_the_api_trains_an_objective_on_data_named_by_path(task, tmp_path):
 
 def test_a_post_training_run_is_scored_and_plotted(task, tmp_path):
     from mlx_diloco.gym import scorecard
-    from mlx_diloco.plot import plot_runs
+    from mlx_diloco.tools.plot import plot_runs
     train(config(task, "grpo", steps=2), tmp_path / "grpo")
     train(config(task, "dpo", steps=2), tmp_path / "dpo")
     cards = [scorecard.scorecard(tmp_path / name) for name in ("grpo", "dpo")]

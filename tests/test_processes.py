@@ -7,7 +7,7 @@ from mlx.utils import tree_flatten
 
 from conftest import run_cli, tiny_config
 from mlx_diloco.exchange.comm import SimCommunicator
-from mlx_diloco.export import load_trained_model
+from mlx_diloco.tools.export import load_trained_model
 from mlx_diloco import run_folder
 from mlx_diloco.config import ConfigError
 from mlx_diloco.training.run import Run

@@ -13,8 +13,9 @@ from mlx.utils import tree_flatten
 from conftest import assert_same_arrays, resumed_run, run_cli, tiny_config
 from mlx_diloco.config import ConfigError
 from mlx_diloco.exchange.comm import NonFiniteValues, SimCommunicator
-from mlx_diloco.export import load_trained_model
-from mlx_diloco.speeds import Speeds
+from mlx_diloco.tools.export import load_trained_model
+from mlx_diloco.schedules.speeds import Speeds
+from mlx_diloco.strategies.base import TickInputs
 from mlx_diloco.strategies.quorum import Quorum
 from mlx_diloco.training.run import Run
 from test_zoo import ring
@@ -74,14 +75,14 @@ def drive(init, updates, speeds, H, K, grace, T, nan_at=None, until=None):
     M = len(speeds)
     strategy = Quorum(sync_every=H, quorum=K, grace_steps=grace, outer_lr=0.7, outer_momentum=0.9, compress="fp32").bind(SimCommunicator(M), T)
     strategy.setup({"w": mx.array(init)})
-    strategy.steps_taken = taken = Speeds(tuple(speeds), "time").steps_taken
+    taken = Speeds(tuple(speeds), "time").steps_taken
     params, globals_ = {"w": mx.array(np.stack([init] * M))}, []
     for t in range(1, (until or T) + 1):
         step = np.array([updates[t][w] if a > b else np.zeros_like(init) for w, (a, b) in
                          enumerate(zip(taken(t), taken(t - 1)))], np.float32)
         if nan_at and nan_at[0] == t:
             step[nan_at[1], 0] = np.nan
-        params = strategy.after_step({"w": params["w"] - mx.array(step)}, t)
+        params = strategy.after_step({"w": params["w"] - mx.array(step)}, t, TickInputs(steps_taken=taken(t)))
         globals_.append(np.array(strategy.global_params(params)["w"]))
     return globals_, strategy, params
 

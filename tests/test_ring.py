@@ -12,7 +12,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from conftest import tiny_config
-from mlx_diloco.export import load_trained_model
+from mlx_diloco.tools.export import load_trained_model
 from mlx_diloco.exchange.comm import SimCommunicator
 from mlx_diloco.training.processes import free_ports
 from mlx_diloco.training.run import Run

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from conftest import run_cli
-from mlx_diloco.sync_period import EXPOSED_BUDGET, LADDER, SyncCost, choose_sync_every
+from mlx_diloco.schedules.sync_period import EXPOSED_BUDGET, LADDER, SyncCost, choose_sync_every
 
 
 def test_auto_is_the_smallest_h_of_the_ladder_within_the_budget():

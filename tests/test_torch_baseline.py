@@ -43,7 +43,8 @@ def test_baseline_trains_like_the_project(activation, tmp_path):
     config = TrainConfig.from_dict(dict(model=str(preset), workers=1, batch_size=4, seq_len=32, steps=20, warmup=2,
                                         lr=1e-2, weight_decay=1.0, grad_clip=0.5, sync_every=1000))
     model = build_model(load_spec(str(preset)), seed=3)
-    strategy = make_strategy(config.strategy, config.strategy_options).bind(SimCommunicator(1), config.steps)
+    strategy = make_strategy(config.strategy, config.strategy_options).for_job(1, config.steps).bind(
+        SimCommunicator(1), config.steps)
     strategy.setup(model.trainable_parameters())
     ours = Workers(model, 1, config, strategy.inner_optimizer(config), log=lambda m: None)
 

@@ -7,10 +7,10 @@ import mlx.nn as nn
 import pytest
 
 from conftest import tiny_config
-from mlx_diloco.memory import model_shape
+from mlx_diloco.machine.memory import model_shape
 from mlx_diloco.models.finetune import apply_fine_tune
 from mlx_diloco.models.zoo import build_model, count_parameters, load_spec
-from mlx_diloco.utilisation import flops_per_token, mfu
+from mlx_diloco.machine.utilisation import flops_per_token, mfu
 from test_ring import run_ranks
 
 
@@ -90,7 +90,7 @@ def test_a_peak_measured_on_a_busy_machine_is_raised_and_no_mfu_passes_100_perce
     measured once while other work ran, and kept for good. A run faster than the kept peak measures
     it again and keeps the best (at least its own rate); doctor's measurement never lowers it."""
     from mlx_diloco.training.processes import simulate
-    from mlx_diloco.utilisation import _cache_path, _machine_key, matmul_gflops, peak_gflops
+    from mlx_diloco.machine.utilisation import _cache_path, _machine_key, matmul_gflops, peak_gflops
     monkeypatch.setenv("MLX_DILOCO_CACHE", str(tmp_path / "cache"))
     _cache_path().parent.mkdir(parents=True)
     _cache_path().write_text(json.dumps({_machine_key(): 0.01}))  # 10 MFLOP/s: as if measured under a load

@@ -318,7 +318,7 @@ class Agent:
                           for wdir in self._job_dir(msg["job"]).glob("worker-*")}}
 
     def on_save_and_exit(self, msg):
-        """Ask this machine's worker to save its state and exit (run.StopRequests): `now`, at the end of
+        """Ask this machine's worker to save its state and exit (elastic.StopRequests): `now`, at the end of
         its step, or `at_sync` from step `after` on. A worker that waits on a lost peer does not read it:
         it saved its state before that exchange, and the launcher stops it."""
         folder = self._job_dir(msg["job"])

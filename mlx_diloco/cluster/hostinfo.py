@@ -164,7 +164,7 @@ def memory_bytes() -> int:
 def training_memory(cap_bytes: float = None) -> int:
     """What this machine offers a training job: on a Mac what its GPU may wire (by default
     memory.GPU_SHARE of the memory), elsewhere 90%; at most `cap_bytes` (the agent's --max-memory)."""
-    from ..memory import GPU_SHARE
+    from ..machine.memory import GPU_SHARE
     offered = memory_bytes() * (GPU_SHARE if sys.platform == "darwin" else 0.9)
     if sys.platform == "darwin":  # a raised limit (sudo sysctl iogpu.wired_limit_mb=...) counts instead
         raised = _run(["sysctl", "-n", "iogpu.wired_limit_mb"]).strip()

@@ -12,6 +12,8 @@ neighbouring pairs joined by Thunderbolt.
 import ipaddress
 from itertools import permutations
 
+from ..records import HOP
+
 EXHAUSTIVE_UP_TO = 8   # hosts; beyond that the given order is kept
 
 
@@ -110,5 +112,5 @@ def ring_hops(agents: list, order: list, addresses: list) -> list:
         sender, receiver = agents[order[r - 1]], agents[a]
         kind = link_kind(sender, receiver, addresses[r]) if len(order) > 1 else None
         record = measured(sender, receiver, kind) if len(order) > 1 else None
-        hops.append({"kind": kind, "gbps": record and record["gbps"], "latency_ms": record and record["latency_ms"]})
+        hops.append({HOP.kind: kind, HOP.gbps: record and record["gbps"], HOP.latency_ms: record and record["latency_ms"]})
     return hops

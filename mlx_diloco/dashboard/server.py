@@ -45,6 +45,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from .. import run_status
 from ..exchange.network import parse_link
 from ..options import ConfigError
+from ..records import HOP, STATUS, TIME_NAMES
 
 STATIC = Path(__file__).parent / "static"
 # The page and its code, read once (75 KB): serving them opens no file, even out of file descriptors.
@@ -53,6 +54,7 @@ PAGE = ASSETS["/static/index.html"]
 DEFAULT_PORT = 8470
 TOKEN_LABEL = b"mlx-diloco dashboard token"
 LOGS = ("metrics", "exchanges", "events")   # NAME.jsonl, a row a line
+
 MAX_ROWS = 20_000                           # of each log, the newest
 IDLE_S = 5.0            # a connection's time to send a request, and between two (the page asks every second)
 MAX_CONNECTIONS = 64    # open connections not yet served an allowed request (macOS gives a process 256 files)
@@ -126,15 +128,16 @@ def modelled_ring(config) -> list:
         workers = int(config["workers"])
     except (AttributeError, KeyError, TypeError, ValueError, ConfigError):
         return []
-    return [{"rank": w, "worker": w, "host": "sim", "kind": link.name, "gbps": link.bandwidth_bps / 1e9,
-             "latency_ms": link.latency_s * 1e3, "modelled": True} for w in range(workers)]
+    return [HOP.check({HOP.rank: w, HOP.worker: w, HOP.host: "sim", HOP.kind: link.name, HOP.gbps: link.bandwidth_bps / 1e9,
+                       HOP.latency_ms: link.latency_s * 1e3, HOP.modelled: True}) for w in range(workers)]
 
 
 def ranks(status: dict) -> list:
     """A cluster's ring as its status says: the members in rank order, their links unknown."""
-    members = sorted((w for w in status.get("workers", []) if w.get("rank") is not None), key=lambda w: w["rank"])
-    return [{"rank": w["rank"], "worker": w.get("worker"), "host": w.get("host"), "kind": None, "gbps": None,
-             "latency_ms": None} for w in members]
+    members = sorted((w for w in status.get("workers", []) if w.get(STATUS.rank) is not None),
+                     key=lambda w: w[STATUS.rank])
+    return [{HOP.rank: w[STATUS.rank], HOP.worker: w.get(STATUS.worker), HOP.host: w.get(STATUS.host), HOP.kind: None,
+             HOP.gbps: None, HOP.latency_ms: None} for w in members]
 
 
 def snapshot(run_dir: Path, say=lambda message: None) -> dict:
@@ -148,7 +151,8 @@ def snapshot(run_dir: Path, say=lambda message: None) -> dict:
         ring = ranks(status or {}) if cluster else modelled_ring(config)
     return {"run": run_dir.resolve().name, "folder": str(run_dir), "time": time.time(), "config": config,
             "summary": read_json(run_dir / "summary.json", run_dir), "status": status, "ring": ring,
-            "states": run_status.STATES, **{name: read_rows(run_dir / f"{name}.jsonl", run_dir) for name in LOGS}}
+            "states": run_status.STATES, "time_parts": list(TIME_NAMES.items()),  # where a worker's time went
+            **{name: read_rows(run_dir / f"{name}.jsonl", run_dir) for name in LOGS}}
 
 
 def finite(value):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..objectives.kinds import kind
 from ..options import ConfigError, shown
 from .datasets import VAL_FRACTION, ArrayExamples, Dataset
 from .jsonl import padded_arrays, read_records, split_files
@@ -245,23 +246,24 @@ def load_post_training(objective: str, source: str, tokenizer_dir: str, seq_len:
                        log=print) -> PostTrainingData:
     """The data of objective dpo, orpo (pairs) or grpo (prompts), read and checked whole."""
     from mlx_lm.utils import load_tokenizer
+    prompts = kind(objective).data == "prompts"  # (objectives/kinds.py: what each objective trains on)
     if not tokenizer_dir:
         raise ConfigError(f"{objective} data {source} needs the model's tokenizer: pass --model a model folder "
                           "(or --tokenizer FOLDER)")
     if Path(source).suffix != ".jsonl" and not (Path(source) / "train.jsonl").is_file():
-        form = PROMPT_FORMAT if objective == "grpo" else PAIR_FORMAT
+        form = PROMPT_FORMAT if prompts else PAIR_FORMAT
         raise ConfigError(f"objective {objective} reads JSONL: pass --data a .jsonl file or a folder with train.jsonl "
                           f"(and valid.jsonl), each line {form}")
     tokenizer = load_tokenizer(Path(tokenizer_dir))
     renderer = Renderer(tokenizer)
     files = split_files(Path(source))
-    if objective == "grpo":
+    if prompts:
         read = lambda path: read_prompts(path, renderer, seq_len, max_completion)  # noqa: E731
     else:
         read = lambda path: read_pairs(path, renderer, seq_len)  # noqa: E731
     train = read(files["train"])
     train, valid = (train, read(files["valid"])) if "valid" in files else held_out(train, files, log)
-    if objective != "grpo":
+    if not prompts:
         width = max(len(p) + max(len(c), len(r)) for p, c, r in train + valid) - 1
         return PostTrainingData(PairExamples(train, width), PairExamples(valid, width), tokenizer_dir, tokenizer)
     # held out: each prompt with its answer as the completion (the eval loss: the answer's NLL)

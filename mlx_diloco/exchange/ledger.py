@@ -3,6 +3,7 @@
 exchange as it finishes (comm.CollectiveRecord); the ledger adds them up, and a checkpoint keeps
 its state."""
 
+from ..records import EXCHANGE
 from .network import Link, exchange_time
 
 
@@ -26,16 +27,24 @@ class ExchangeLedger:
             self.comm_s += exposed
             self.peak_bytes = max(self.peak_bytes, r.sent_bytes)
             self.log.append((r.hops, r.sent_bytes, r.overlap_steps))
-            rows.append({"step": step, "what": r.tag, "codec": r.codec, "algorithm": r.algorithm,
-                         "payload_bytes": r.payload_bytes, "sent_bytes": r.sent_bytes,
-                         "overlap_steps": r.overlap_steps, "modelled_s": modelled, "exposed_s": exposed,
-                         "blocked_s": r.blocked_s, "straggler_s": r.straggler_s})
+            rows.append(EXCHANGE.check({
+                EXCHANGE.step: step, EXCHANGE.what: r.tag, EXCHANGE.codec: r.codec, EXCHANGE.algorithm: r.algorithm,
+                EXCHANGE.payload_bytes: r.payload_bytes, EXCHANGE.sent_bytes: r.sent_bytes,
+                EXCHANGE.overlap_steps: r.overlap_steps, EXCHANGE.modelled_s: modelled, EXCHANGE.exposed_s: exposed,
+                EXCHANGE.blocked_s: r.blocked_s, EXCHANGE.straggler_s: r.straggler_s}))
         return rows
 
     def state(self) -> dict:
         """What a checkpoint keeps (its meta's "exchanges")."""
         return {"bytes_sent": self.bytes_sent, "comm_s": self.comm_s, "peak_bytes": self.peak_bytes,
                 "log": [list(e) for e in self.log]}
+
+    @classmethod
+    def from_state(cls, state: dict, link: Link = None) -> "ExchangeLedger":
+        """The ledger a checkpoint kept (its meta's "exchanges")."""
+        ledger = cls(link)
+        ledger.load_state(state)
+        return ledger
 
     def load_state(self, state: dict):
         self.bytes_sent, self.comm_s, self.peak_bytes = state["bytes_sent"], state["comm_s"], state["peak_bytes"]

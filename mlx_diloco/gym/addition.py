@@ -92,7 +92,7 @@ def write_data(folder: Path, seed: int = 0, train: int = TRAIN, valid: int = VAL
 def prepare(folder: Path = None, log=print) -> Path:
     """The task's folder, made once (tokenizer/, data, sft-model/: the SFT start, an mlx-lm folder)."""
     from ..config import TrainConfig
-    from ..export import export_mlx_lm
+    from ..tools.export import export_mlx_lm
     from ..exchange.comm import SimCommunicator
     from ..training.run import Run
     folder = Path(folder or cache_root() / "addition")

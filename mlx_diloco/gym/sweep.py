@@ -14,7 +14,8 @@ import shutil
 from pathlib import Path
 
 from ..config import ConfigError, TrainConfig
-from ..plot import save_figure, spread_axis, value_axis
+from ..tools.plot import save_figure, spread_axis, value_axis
+from ..records import CARD, ROW
 from ..run_folder import latest_step
 from ..strategies import without_other_options
 from . import scorecard
@@ -74,8 +75,8 @@ def run_sweep(base: dict, points: list, out: Path, train, problem=None, target_l
             log(f"[{i}/{len(configs)}] {point_name(point)}" + (": resuming" if resume else ""))
             train(config, run_dir, resume)
         card = scorecard.scorecard(run_dir, problem, target_loss)
-        card["point"] = point
-        card["label"] = f"{point_name(point)}: {card['label']}"  # points can differ in what the label omits
+        card[CARD.point] = point
+        card[CARD.label] = f"{point_name(point)}: {card[CARD.label]}"  # points can differ in what the label omits
         scorecard.save(card, run_dir)
         cards.append(card)
         write_summary(cards, out)
@@ -85,14 +86,14 @@ def run_sweep(base: dict, points: list, out: Path, train, problem=None, target_l
 def write_summary(cards: list, out: Path):
     """sweep.md (a table), and the plots: final eval loss against each numeric key of the points,
     and eval loss against modelled wall-clock for every point."""
-    keys = list(dict.fromkeys(k for c in cards for k in c["point"]))
+    keys = list(dict.fromkeys(k for c in cards for k in c[CARD.point]))
     head = "| " + " | ".join(keys + ["eval loss", "steps to target", "time to target", "time", "sent/worker"]) + " |"
     lines = [head, "|" + "---|" * (len(keys) + 5)]
     for c in cards:
-        lines.append("| " + " | ".join([str(c["point"].get(k, "-")) for k in keys] + [
-            scorecard.fmt(c["final_eval_loss"], "loss"), scorecard.fmt(c["steps_to_target"]),
-            scorecard.fmt(c["modelled_s_to_target"], "s"), scorecard.fmt(c["modelled_s"], "s"),
-            scorecard.fmt(c["bytes_sent_per_worker"], "bytes")]) + " |")
+        lines.append("| " + " | ".join([str(c[CARD.point].get(k, "-")) for k in keys] + [
+            scorecard.fmt(c[CARD.final_eval_loss], "loss"), scorecard.fmt(c[CARD.steps_to_target]),
+            scorecard.fmt(c[CARD.modelled_s_to_target], "s"), scorecard.fmt(c[CARD.modelled_s], "s"),
+            scorecard.fmt(c[CARD.bytes_sent_per_worker], "bytes")]) + " |")
     (out / "sweep.md").write_text("\n".join(lines) + "\n")
     plot(cards, keys, out / "sweep.png")
 
@@ -105,32 +106,33 @@ def plot(cards: list, keys: list, out: Path) -> Path:
 
     def number(v):
         return isinstance(v, (int, float)) and not isinstance(v, bool)
-    numeric = [k for k in keys if len({c["point"].get(k) for c in cards}) > 1
-               and all(number(c["point"].get(k)) for c in cards)]
+    numeric = [k for k in keys if len({c[CARD.point].get(k) for c in cards}) > 1
+               and all(number(c[CARD.point].get(k)) for c in cards)]
     fig, axes = plt.subplots(1, len(numeric) + 1, figsize=(5.5 * (len(numeric) + 1), 4.5), squeeze=False)
     axes = axes[0]
     for ax, key in zip(axes, numeric):  # final loss against this key, one line per value of the others
         others = [k for k in keys if k != key]
         lines = {}
         for c in cards:
-            lines.setdefault(tuple(c["point"].get(k) for k in others), []).append((c["point"][key], c["final_eval_loss"]))
+            lines.setdefault(tuple(c[CARD.point].get(k) for k in others), []).append(
+                (c[CARD.point][key], c[CARD.final_eval_loss]))
         for rest, xy in lines.items():
             xy.sort()
             ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o",
                     label=", ".join(f"{k}={v}" for k, v in zip(others, rest)) or None)
         ax.set_xlabel(key)
         ax.set_ylabel("final eval loss")
-        value_axis(ax, [c["point"][key] for c in cards])
+        value_axis(ax, [c[CARD.point][key] for c in cards])
         ax.grid(alpha=0.3)
         if others:
             ax.legend(fontsize=7)
     ax, times = axes[-1], []
     for c in cards:
-        rows = MetricsLog.read(c["run_dir"])
-        times += [r["modelled_time_s"] for r in rows]
-        ax.plot([r["modelled_time_s"] for r in rows], [r["eval_loss"] for r in rows], marker=".",
-                label=point_name(c["point"]))
-    links = sorted({c["link"] for c in cards})
+        rows = MetricsLog.read(c[CARD.run_dir])
+        times += [r[ROW.modelled_time_s] for r in rows]
+        ax.plot([r[ROW.modelled_time_s] for r in rows], [r[ROW.eval_loss] for r in rows], marker=".",
+                label=point_name(c[CARD.point]))
+    links = sorted({c[CARD.link] for c in cards})
     ax.set_xlabel("modelled wall-clock (s) " + (f"on {links[0]}" if len(links) == 1 else "on each point's link"))
     ax.set_ylabel("eval loss")
     spread_axis(ax, times)

@@ -1,28 +1,26 @@
 """What a run optimizes (config `objective`, mlx-lm-lora's train_mode): sft, the data's next-token loss
 (base.py); dpo and orpo on preference pairs (dpo.py, orpo.py, preference.py); grpo on prompts whose
-completions are sampled and rewarded (grpo.py, rollouts.py, rewards.py). Each is one file; every
-strategy trains them unchanged, exchanging what the run trains (the adapters, under LoRA).
-docs/post-training.md says how to use them."""
+completions are sampled and rewarded (grpo.py, rollouts.py, rewards.py). Each is one file and its
+line in kinds.py's registry; every strategy trains them unchanged, exchanging what the run trains
+(the adapters, under LoRA). A run hands its objective a `Context` (base.py) of what it may use.
+docs/post-training.md says how to use them. Importing this package loads no MLX (kinds.py is
+what the config and the launcher ask); an objective's class is imported when a run makes it."""
 
-from ..config import ConfigError
-from .base import Objective
-from .dpo import DPO
-from .grpo import GRPO
-from .orpo import ORPO
+from importlib import import_module
 
-OBJECTIVES = {cls.name: cls for cls in (Objective, DPO, ORPO, GRPO)}
+from .kinds import DEFAULT, OBJECTIVES, Kind, kind
 
 
-def check_model(config, spec):
-    """Before any data is read: GRPO samples with mlx-lm's generation, which needs an mlx-lm model
-    (its KV cache)."""
-    if config.objective == "grpo" and spec.type in ("gpt", "cnn", "python"):
-        raise ConfigError(f"objective grpo samples completions with mlx-lm's generation, which the {spec.type} "
-                          "model cannot run; pass an mlx-lm model (a model folder, or a preset of an mlx-lm type "
-                          "such as llama-tiny)")
+def objective_class(name: str):
+    """The class of objective `name` (kinds.py names its module and class)."""
+    k = kind(name)
+    return getattr(import_module(f"{__name__}.{k.module}"), k.cls)
 
 
-def make_objective(config, model, data, log=print) -> Objective:
+def make_objective(config, model, data, log=print):
     """The config's objective for `model` as the run trains it (adapters made: the reference is
     what trains at the start) and its data."""
-    return OBJECTIVES[config.objective](config, model, data, log)
+    return objective_class(config.objective)(config, model, data, log)
+
+
+__all__ = ["DEFAULT", "OBJECTIVES", "Kind", "kind", "objective_class", "make_objective"]

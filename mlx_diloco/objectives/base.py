@@ -1,17 +1,22 @@
 """What every objective shares: the interface the run calls (`Objective`, which is SFT: the data's own
-next-token loss), the log-probabilities of a batch's completion tokens, and the reference policy.
+next-token loss), what the run lends it (`Context`), the log-probabilities of a batch's completion
+tokens, and the reference policy.
 
-A run (training/run.py) asks its objective for four things, each a no-op for SFT:
+A run (training/run.py) asks its objective for these, each a no-op for SFT:
+- `check_model(config, spec)` and `notes(config)`: before anything is loaded, a model it cannot
+  train refused in one line, and what it changed of the config as given (training/resolve.py);
 - `loss(model, x, y)`: the workers' loss (None: the data's own cross-entropy);
-- `batch(run, x, y, tick)`: the step's batch from the data's, before the inner step: what it needs
-  that depends on the policies now (the reference's log-probabilities, GRPO's rollouts and rewards);
+- `batch(context, x, y, tick)`: the step's batch from the data's, before the inner step: what it
+  needs that depends on the policies now (the reference's log-probabilities, GRPO's rollouts and rewards);
 - `eval_batches(workers, batches)`: the held-out batches, likewise;
-- `report(run)`: the objective's metrics for the evaluation's row (every process calls it: it
+- `report(context)`: the objective's metrics for the evaluation's row (every process calls it: it
   gathers the workers' values), and `summary_keys`, those of them the run's summary repeats;
 - `state()` and `load_state()`: its running totals, in a checkpoint's meta.
 """
 
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -19,6 +24,17 @@ from mlx.utils import tree_flatten
 
 from ..data.jsonl import IGNORE
 from ..models.kernels import token_cross_entropy
+
+
+@dataclass
+class Context:
+    """What an objective may use of the run that trains it (Run builds it once its workers exist)."""
+    workers: object             # training.workers.Workers: this process's replicas (their params, model)
+    comm: object                # exchange.comm.Communicator: gather_metric collects every worker's values
+    slots: list                 # the job's worker id of each local worker (its rollout seeds)
+    reporter: bool              # this process reports the metrics rows (held-out metrics: its alone)
+    global_params: Callable     # () -> the global model's parameters (no worker axis)
+    eval_batches: list          # the held-out batches, as `eval_batches` prepared them
 
 
 class Objective:
@@ -30,13 +46,22 @@ class Objective:
     def __init__(self, config, model, data, log=print):
         self.config, self.data, self.log = config, data, log
 
-    def batch(self, run, x, y, tick):
+    @classmethod
+    def check_model(cls, config, spec):
+        """Refuse, before any data is read, a model (models.zoo.ModelSpec) this objective cannot train."""
+
+    @classmethod
+    def notes(cls, config) -> list:
+        """What this objective takes differently from the config as given, for the run to say once."""
+        return []
+
+    def batch(self, context: Context, x, y, tick):
         return x, y
 
     def eval_batches(self, workers, batches):
         return batches
 
-    def report(self, run) -> dict:
+    def report(self, context: Context) -> dict:
         return {}
 
     def state(self) -> dict:

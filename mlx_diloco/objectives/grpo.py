@@ -38,7 +38,8 @@ import numpy as np
 
 from ..data.jsonl import IGNORE, padded_arrays
 from ..exchange.worker_axis import replica
-from .base import Objective, Reference, Tally, completion_logps, members_of, with_params
+from ..options import ConfigError
+from .base import Context, Objective, Reference, Tally, completion_logps, members_of, with_params
 from .rewards import RewardError, Rewards, exact_answer
 from .rollouts import GREEDY, rollout_seed, sample, with_eos
 
@@ -127,6 +128,21 @@ class GRPO(Objective):
         self.last, self.timed = None, None  # the last rollouts; the last step, until its time is counted
         self.health, self.said_collapse = Health(), False
 
+    @classmethod
+    def check_model(cls, config, spec):
+        """GRPO samples with mlx-lm's generation, which needs an mlx-lm model (its KV cache)."""
+        if spec.type in ("gpt", "cnn", "python"):
+            raise ConfigError(f"objective grpo samples completions with mlx-lm's generation, which the {spec.type} "
+                              "model cannot run; pass an mlx-lm model (a model folder, or a preset of an mlx-lm type "
+                              "such as llama-tiny)")
+
+    @classmethod
+    def notes(cls, config) -> list:
+        if config.grpo_loss_type == "dr_grpo" and not config.scale_rewards:
+            return ["grpo-loss-type dr_grpo: advantages not divided by the group's reward std (scale-rewards "
+                    "none), as Dr. GRPO's paper has it; pass --scale-rewards group to keep it"]
+        return []
+
     def loss(self, model, x, y):
         c = self.config
         return grpo_loss(model, x, y, self.beta, c.epsilon, c.epsilon_high or c.epsilon, c.grpo_loss_type,
@@ -136,18 +152,18 @@ class GRPO(Objective):
         """The held-out prompts with their answers as completions (the loss scores the answers' NLL)."""
         return [(x, {"targets": y}) for x, y in batches]
 
-    def batch(self, run, x, y, tick):
+    def batch(self, context: Context, x, y, tick):
         """Each local worker's rollouts of its prompts (y: their indices), scored: the loss's batch."""
         start, n = time.perf_counter(), x.shape[0]
         if self.tally is None:
             self.tally, self.total = Tally(n, STATS), Tally(n, STATS)
         self.count_training()
         members = members_of(tick, n)
-        rows = [self.rollouts(run.workers, i, run.slots[i], np.array(y[i]), tick.step) for i in range(n)]
+        rows = [self.rollouts(context.workers, i, context.slots[i], np.array(y[i]), tick.step) for i in range(n)]
         inputs, targets, advantages = (mx.array(np.stack([row[k] for row in rows])) for k in range(3))
         batch = {"targets": targets, "advantages": advantages.astype(mx.float32)}
         if self.beta:
-            batch["ref_logps"] = self.reference.logps(run.workers, inputs, targets, self.config.temperature)
+            batch["ref_logps"] = self.reference.logps(context.workers, inputs, targets, self.config.temperature)
         self.last = (inputs, targets)
         stats = {k: [row[3][k] for row in rows] for k in rows[0][3]}
         stats["tokens_trained"] = np.array((targets != IGNORE).sum(axis=(1, 2)))
@@ -188,24 +204,24 @@ class GRPO(Objective):
                  "completion_tokens": sum(len(ids) for ids in completions), "clipped": stopped.count(False)}
         return inputs, targets, advantages, stats
 
-    def report(self, run) -> dict:
-        row = self.rollout_metrics(run)
-        if run.reporter:
-            row.update(self.held_out(run))
+    def report(self, context: Context) -> dict:
+        row = self.rollout_metrics(context)
+        if context.reporter:
+            row.update(self.held_out(context))
             row["collapse"] = self.health.collapse(row)
             if row["collapse"] and not self.said_collapse:
-                run.log(row["collapse"])  # once; every row after says it too, and the dashboard shows it
+                self.log(row["collapse"])  # once; every row after says it too, and the dashboard shows it
             self.said_collapse = self.said_collapse or bool(row["collapse"])
         return row
 
-    def rollout_metrics(self, run) -> dict:
+    def rollout_metrics(self, context: Context) -> dict:
         """The rollouts' metrics since the last evaluation (none before the first step)."""
         if self.tally is None:
             return {}
         self.count_training()
-        kl = self.kl_to_reference(run)
-        recent, total = self.tally.gather(run.comm), self.total.gather(run.comm)
-        kls = run.comm.gather_metric(mx.array(kl))
+        kl = self.kl_to_reference(context)
+        recent, total = self.tally.gather(context.comm), self.total.gather(context.comm)
+        kls = context.comm.gather_metric(mx.array(kl))
         self.tally.clear()
         completions = max(sum(recent["completions"]), 1)
         per_worker = [r / max(n, 1) for r, n in zip(recent["reward"], recent["completions"])]
@@ -230,29 +246,29 @@ class GRPO(Objective):
             self.tally = Tally(len(self.total.sums), STATS)
             self.health = Health(**state.get("health", {}))
 
-    def kl_to_reference(self, run) -> list:
+    def kl_to_reference(self, context: Context) -> list:
         """Each local worker's KL to the reference (k3, the mean over its completion tokens) on its
         last rollouts, under its policy now (NaN before any: a run resumed at its end)."""
         if self.last is None:
-            return [float("nan")] * run.comm.n_local
+            return [float("nan")] * context.comm.n_local
         inputs, targets = self.last
-        ref = self.reference.logps(run.workers, inputs, targets, self.config.temperature)
+        ref = self.reference.logps(context.workers, inputs, targets, self.config.temperature)
         out = []
         for i in range(inputs.shape[0]):
-            logps, scored = with_params(run.workers, replica(run.workers.params, i), lambda model: completion_logps(
+            logps, scored = with_params(context.workers, replica(context.workers.params, i), lambda model: completion_logps(
                 model, inputs[i], targets[i], self.config.temperature))
             delta = ref[i] - logps
             out.append(float(((mx.exp(delta) - delta - 1) * scored).sum() / mx.maximum(scored.sum(), 1)))
         return out
 
-    def held_out(self, run) -> dict:
+    def held_out(self, context: Context) -> dict:
         """The global model's greedy completions of the held-out prompts: their exact-answer accuracy
         and mean reward."""
         c, held, tokenizer = self.config, self.data.held_out, self.data.tokenizer
-        params, texts, ids = run.global_params(), [], []
+        params, texts, ids = context.global_params(), [], []
         for start in range(0, len(held), HELD_OUT_BATCH):
             prompts = held.ids[start:start + HELD_OUT_BATCH]
-            completions, _ = with_params(run.workers, params, lambda model: sample(
+            completions, _ = with_params(context.workers, params, lambda model: sample(
                 model, tokenizer, prompts, c.max_completion_length, GREEDY))
             ids += completions
             texts += [tokenizer.decode(x) for x in completions]

@@ -14,7 +14,7 @@ import numpy as np
 from mlx.utils import tree_map
 
 from ..data.jsonl import IGNORE
-from .base import Objective, Tally, completion_logps, members_of, with_params
+from .base import Context, Objective, Tally, completion_logps, members_of, with_params
 
 
 def halves(values):
@@ -36,10 +36,10 @@ class Preference(Objective):
         log-probabilities."""
         return {"targets": targets}
 
-    def batch(self, run, x, y, tick):
+    def batch(self, context: Context, x, y, tick):
         start = time.perf_counter()
         self.counts = self.counts or Tally(x.shape[0], ("tokens_trained", "reference_s"))
-        batch = self.with_reference(run.workers, x, y)
+        batch = self.with_reference(context.workers, x, y)
         self.counts.add(members_of(tick, x.shape[0]), tokens_trained=np.array((y != IGNORE).sum(axis=(1, 2))),
                         reference_s=(time.perf_counter() - start) / x.shape[0])
         return x, batch
@@ -50,16 +50,16 @@ class Preference(Objective):
         return [(x, tree_map(lambda a: a[0], self.with_reference(workers, mx.array(x)[None], mx.array(y)[None])))
                 for x, y in batches]
 
-    def report(self, run) -> dict:
+    def report(self, context: Context) -> dict:
         row = {}
         if self.counts:
-            every = self.counts.gather(run.comm)
+            every = self.counts.gather(context.comm)
             row = {"tokens_trained": int(sum(every["tokens_trained"])), "reference_s": float(np.mean(every["reference_s"]))}
-        if not run.reporter:
+        if not context.reporter:
             return row
-        params = run.global_params()
-        scores = [(np.array(with_params(run.workers, params, lambda m: completion_logps(
-            m, mx.array(x), y["targets"])[0].sum(axis=-1))), y) for x, y in run.eval_batches]
+        params = context.global_params()
+        scores = [(np.array(with_params(context.workers, params, lambda m: completion_logps(
+            m, mx.array(x), y["targets"])[0].sum(axis=-1))), y) for x, y in context.eval_batches]
         chosen, rejected = (np.concatenate(side) for side in zip(*(halves(s) for s, _ in scores)))
         return {**row, "eval_pair_accuracy": float(np.mean(chosen > rejected)),
                 "eval_logps_chosen": float(chosen.mean()), "eval_logps_rejected": float(rejected.mean()),

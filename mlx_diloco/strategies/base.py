@@ -3,26 +3,31 @@ simulator and the real cluster alike.
 
 A strategy is a dataclass whose fields are its options (`DiLoCo(sync_every=100, outer_lr=0.7)`):
 each value is type-checked on construction, `check()` adds the ranges, and a misspelled option is
-an error with a did-you-mean hint. The run then binds it to a communicator (`bind`) and calls its
-hooks around every inner step:
+an error with a did-you-mean hint. `for_job(workers, steps)` gives `auto` options their numbers for
+a job (the one place they are worked out). The run then binds it to a communicator (`bind`) and
+calls its hooks around every inner step:
 
     inner_optimizer(config)        the optimizer of the inner steps (default: AdamW from the config)
     setup(params)                  once, with the shared initial parameters (no worker axis)
     reduce_gradients(grads, step)  before the inner update (DDP averages here)
-    after_step(params, step)       after it (DiLoCo's outer step happens here every H steps)
+    after_step(params, step, tick) after it (DiLoCo's outer step happens here every H steps); `tick`:
+                                   TickInputs, what the run knows of this tick (each worker's weight
+                                   at a sync, the inner steps each has taken)
     global_params(params)          the model to evaluate and export (no worker axis)
     state() / load_state(state)    what a checkpoint holds beside the workers' parameters
 
 and answers what the rest of the package asks of it, so that nothing outside strategies/ tests
-its name: `label()` (plots, scorecards), `global_from_state(template, arrays)` (export),
+its name or reads its options: `label()` (plots, scorecards), `schedule` (when its workers meet:
+sync points, an exchange's delay), `global_from_state(template, saved)` (export),
 `steps_can_differ` (speed-policy time), `syncs_every_h` (membership, elastic jobs), `own_state`
-(who may join), `outer_copies` and `worker_copies` (memory estimates), `keeps_global_model`.
+(who may join), `outer_copies`, `worker_copies`, `sync_pieces`, `offloads_outer` and
+`memory_savings` (memory estimates), `keeps_global_model`.
 
 Parameters and gradients carry a leading local-worker axis (see exchange/comm.py). `step` is the job-wide
 inner step counter, which every worker agrees on, so a sync schedule can never drift.
 """
 
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 
 import mlx.core as mx
 import mlx.optimizers as optim
@@ -31,8 +36,8 @@ from mlx.utils import tree_flatten
 from ..exchange.worker_axis import replica
 from ..models.precision import random_word, round_bf16_stochastically
 from ..options import AUTO, ConfigError, checked_value, did_you_mean, option  # noqa: F401 (option: strategies import it from here)
-from ..schedule import SyncSchedule
-from .outer_lr import ADAM_BETA1, auto_fields, choose, is_adam
+from ..schedules.schedule import SyncSchedule
+from .outer_lr import with_auto_outer
 
 
 def lr_schedule(config, peak: float = None):
@@ -77,28 +82,45 @@ def default_inner_optimizer(config) -> optim.AdamW:
                  moments_dtype=mx.bfloat16 if config.moments_precision == "bf16" else mx.float32)
 
 
+@dataclass(frozen=True)
+class TickInputs:
+    """What the run tells a strategy's `after_step` of the tick (training/pacing.py works it out): under
+    speed-policy time or a membership schedule, workers take different numbers of inner steps."""
+    # The factors on what each local worker sends at a sync (speeds.py), or {fragment offset: factors}
+    # when the fragments' windows differ (membership.py); None: equal.
+    sync_weights: object = None
+    # Each job worker's inner steps after this tick (a strategy whose schedule follows them: quorum.py);
+    # None: the tick's number, for every worker.
+    steps_taken: list = None
+
+    def weights_of(self, offset: int) -> list:
+        """The factors on what each local worker sends of the fragment at `offset` (None: equal)."""
+        w = self.sync_weights
+        return w.get(offset) if isinstance(w, dict) else w
+
+
+NO_INPUTS = TickInputs()  # every worker steps every tick, and counts alike
+
+
+def codec_label(codec: str, error_feedback: bool = False) -> list:
+    """A label's word for a codec other than the default fp16 ('int4+ef' with error feedback)."""
+    return [] if codec in (None, "fp16") else [codec + ("+ef" if error_feedback else "")]
+
+
 class Strategy:
     name = "base"
     clip_gradients = True  # the run clips each worker's gradients (grad-clip) before the inner update
     # Workers may take different numbers of inner steps between syncs (speed-policy time, a
     # membership schedule): only for strategies that exchange nothing between syncs. The run then
-    # sets `sync_weights`, one factor per local worker on what it sends (speeds.py), or
-    # {fragment offset: factors} when the fragments' windows differ (membership.py).
+    # passes each tick's weights and steps taken to `after_step` (TickInputs).
     steps_can_differ = False
-    sync_weights = None
-    # And `steps_taken`, a callable: ticks -> each job worker's inner steps after them (speeds.py),
-    # for a strategy whose schedule follows them (quorum.py); None: every worker steps every tick.
-    steps_taken = None
-
-    def weights_of(self, fragment) -> list:
-        """The factors on what each local worker sends of `fragment` at its sync (None: equal)."""
-        w = self.sync_weights
-        return w.get(fragment.offset) if isinstance(w, dict) else w
     # Model-sized fp32 arrays held in memory between syncs (DiLoCo: the global model and its outer
     # optimizer's state): what memory.py counts for the strategy beside the replicas; and those
     # each local worker keeps of its own (an error-feedback buffer), counted once per worker.
     outer_copies = 0
     worker_copies = 0
+    sync_pieces = 1         # the model is synced in this many pieces, one at a time (Streaming's fragments)
+    offloads_outer = False  # its outer state waits in files between syncs, out of the training memory
     # Its syncs come every H ticks, at its fragments' offsets: what membership changes, a joiner's
     # catch-up and an elastic cluster rely on (quorum rounds' outer steps come when workers report).
     syncs_every_h = True
@@ -126,6 +148,13 @@ class Strategy:
     def options(self) -> dict:
         return asdict(self) if hasattr(self, "__dataclass_fields__") else {}
 
+    def for_job(self, workers: int, steps: int) -> "Strategy":
+        """This strategy with every `auto` option given its number for a job of `workers` workers and
+        `steps` inner steps (a new one where one changes: a composite builds its parts from its
+        options). The one place `auto` is worked out: training/resolve.py and the API call it before
+        the run records its options, and `bind` refuses a strategy still holding one."""
+        return with_auto_outer(self, workers, steps)[0]
+
     @property
     def sync_every(self) -> int:
         """Inner steps between the strategy's periodic syncs (0: it has none)."""
@@ -133,10 +162,14 @@ class Strategy:
 
     @property
     def schedule(self) -> SyncSchedule:
-        """When this strategy's workers meet (schedule.py): every sync_every steps at its fragments'
-        offsets, an exchange landing overlap_steps after it starts."""
-        offsets = tuple(f.offset for f in getattr(self, "model_fragments", [])) or (0,)
-        return SyncSchedule(self.sync_every, offsets, getattr(self, "overlap_steps", 0))
+        """When this strategy's workers meet (schedule.py): every sync_every steps (a strategy of
+        fragments or overlapped exchanges gives its offsets and delay)."""
+        return SyncSchedule(self.sync_every)
+
+    def memory_savings(self, blocks: int) -> list:
+        """[(option, value)]: this strategy's own options that shrink a worker's memory, in the order
+        worth trying, for a model of `blocks` transformer blocks (memory.make_it_fit)."""
+        return []
 
     def outer_steps_done(self, steps: int):
         """Outer steps (syncs) done after `steps` inner steps and their `after_step`, for the metrics
@@ -145,18 +178,12 @@ class Strategy:
 
     def label(self) -> str:
         """A short name for plots and scorecards: the strategy and the options that set a run apart."""
-        o, parts = self.options(), [self.name]
-        if o.get("sync_every"):
-            parts.append(f"H={o['sync_every']}")
-        if o.get("fragments", 1) > 1:
-            parts.append(f"P={o['fragments']}")
-        if o.get("overlap_steps"):
-            parts.append(f"tau={o['overlap_steps']}")
-        if o.get("outer_optimizer", "nesterov") != "nesterov":
-            parts.append(f"outer {o['outer_optimizer']}")
-        if o.get("compress") not in (None, "fp16"):
-            parts.append(o["compress"] + ("+ef" if o.get("error_feedback") else ""))
-        return " ".join(parts)
+        return " ".join([self.name, *self.label_options()])
+
+    def label_options(self) -> list:
+        """The label's words after the name: H, where the strategy syncs every H steps; a strategy adds
+        its own options' words."""
+        return [f"H={self.sync_every}"] if self.sync_every else []
 
     def require(self, ok: bool, message: str):
         if not ok:
@@ -164,16 +191,11 @@ class Strategy:
 
     # ---- the run
     def bind(self, comm, steps: int):
-        """The communicator, and the run's step count (a run always ends synced). An outer lr or
-        momentum still 'auto' (a strategy made by hand, not through a config) gets its number for this job."""
+        """The communicator, and the run's step count (a run always ends synced)."""
+        if auto := [k for k, v in self.options().items() if v == AUTO]:
+            raise ConfigError(f"{self.name}: {', '.join(auto)} still '{AUTO}': make the strategy for its job with "
+                              f"for_job(workers, steps) before binding it")
         self.comm, self.steps = comm, steps
-        if auto_fields(self) and is_adam(self):
-            self.outer_momentum = ADAM_BETA1
-        elif auto_fields(self):
-            choice = choose(comm.num_workers, self.sync_every, steps, getattr(self, "ddp_warmup_steps", 0),
-                            self.outer_momentum)
-            self.outer_lr = choice.lr if self.outer_lr == AUTO else self.outer_lr
-            self.outer_momentum = choice.momentum
         return self
 
     def check_model(self, spec, adapted_blocks: int = None):
@@ -190,17 +212,18 @@ class Strategy:
     def reduce_gradients(self, grads, step: int):
         return grads
 
-    def after_step(self, params, step: int):
+    def after_step(self, params, step: int, tick: TickInputs = NO_INPUTS):
         return params
 
     def global_params(self, params):
         return replica(params)
 
-    def global_from_state(self, template, arrays: dict):
-        """The global model a checkpoint's `arrays` ({"workers": {"params": ...}, "strategy":
-        state()}) hold, without building a run: here worker 0's parameters (the replicas are equal,
-        or end so); `template`, a model's parameters, gives the shapes and dtypes where needed."""
-        return replica(arrays["workers"]["params"])
+    def global_from_state(self, template, saved):
+        """The global model a checkpoint holds (`saved`: its arrays, records.SavedArrays: the workers'
+        parameters, and this strategy's `state()` as saved), without building a run: here worker 0's
+        parameters (the replicas are equal, or end so); `template`, a model's parameters, gives the
+        shapes and dtypes where needed."""
+        return replica(saved.params)
 
     def state(self) -> dict:
         return {}

@@ -9,10 +9,10 @@ reduce_gradients and after_step are chained through them, each part's checkpoint
 its own key, and the global model is the one a part keeps (DiLoCo's), else worker 0's.
 """
 
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from ..options import ConfigError
-from .base import Strategy, option
+from .base import NO_INPUTS, Strategy, TickInputs, option
 
 ALL = None  # in `takes`: every option of that part
 
@@ -86,6 +86,29 @@ class Composite(Strategy):
     def keeps_global_model(self) -> bool:
         return self.global_part is not None
 
+    @property
+    def sync_pieces(self) -> int:
+        return max(p.sync_pieces for p in self.parts.values())
+
+    @property
+    def offloads_outer(self) -> bool:
+        return any(p.offloads_outer for p in self.parts.values())
+
+    def memory_savings(self, blocks: int) -> list:
+        return [change for p in self.parts.values() for change in p.memory_savings(blocks)]
+
+    @property
+    def leading_part(self) -> Strategy:
+        """The part that keeps the global model, else the first: it sets the sync points and the label."""
+        return self.global_part[1] if self.global_part else next(iter(self.parts.values()))
+
+    @property
+    def schedule(self):
+        return self.leading_part.schedule
+
+    def label_options(self) -> list:
+        return self.leading_part.label_options()
+
     # ---- the run: every hook goes through the parts in order
     def bind(self, comm, steps):
         for p in self.parts.values():
@@ -105,19 +128,19 @@ class Composite(Strategy):
             grads = p.reduce_gradients(grads, step)
         return grads
 
-    def after_step(self, params, step):
+    def after_step(self, params, step, tick: TickInputs = NO_INPUTS):
         for p in self.parts.values():
-            params = p.after_step(params, step)
+            params = p.after_step(params, step, tick)
         return params
 
     def global_params(self, params):
         return self.global_part[1].global_params(params) if self.global_part else super().global_params(params)
 
-    def global_from_state(self, template, arrays):
+    def global_from_state(self, template, saved):
         if not self.global_part:
-            return super().global_from_state(template, arrays)
+            return super().global_from_state(template, saved)
         key, part = self.global_part
-        return part.global_from_state(template, {**arrays, "strategy": arrays["strategy"][key]})
+        return part.global_from_state(template, replace(saved, strategy=saved.strategy[key]))  # its part's state
 
     def state(self):
         return {key: p.state() for key, p in self.parts.items()}

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from .base import Strategy, mean_gradients, option
+from .base import Strategy, codec_label, mean_gradients, option
 
 
 @dataclass
@@ -14,5 +14,8 @@ class DDP(Strategy):
         from ..exchange.codecs import get_codec
         get_codec(self.compress)
 
+
+    def label_options(self) -> list:
+        return super().label_options() + codec_label(self.compress)
     def reduce_gradients(self, grads, step):
         return mean_gradients(self.comm, grads, self.compress)

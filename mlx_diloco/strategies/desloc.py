@@ -34,8 +34,8 @@ from mlx.utils import tree_map
 
 from ..exchange.codecs import get_codec
 from ..exchange.worker_axis import placeholders
-from ..schedule import SyncSchedule
-from .base import Strategy, default_inner_optimizer, option
+from ..schedules.schedule import SyncSchedule
+from .base import NO_INPUTS, Strategy, TickInputs, default_inner_optimizer, option
 
 # The averaged moments: MLX's AdamW state names, the paper's ratio of each period to Kx, and the
 # option that sets it.
@@ -93,7 +93,7 @@ class DESLOC(Strategy):
     def setup(self, params):
         self.template = placeholders(params)  # the tree's shape, to find each parameter's moments
 
-    def after_step(self, params, step):
+    def after_step(self, params, step, tick: TickInputs = NO_INPUTS):
         moments = [(moment, what) for moment, (_, _, what) in MOMENTS.items()
                    if SyncSchedule(self.period(moment)).syncs(step)]
         if self.schedule.syncs(step) or step == self.steps:

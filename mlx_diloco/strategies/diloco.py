@@ -20,7 +20,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..exchange.codecs import get_codec
 from ..exchange.worker_axis import placeholders
 from ..options import AUTO, ConfigError, NumberOrAuto, WholeOrAuto
-from .base import Strategy, mean_gradients, option
+from ..schedules.schedule import SyncSchedule
+from .base import NO_INPUTS, Strategy, TickInputs, codec_label, mean_gradients, option
 from .fragments import Fragment, gather, global_tree, offload_folder, partition
 from .outer_lr import MOMENTUM_HELP, auto_help, check_outer
 
@@ -115,6 +116,30 @@ class DiLoCo(Strategy):
         """The global values and the outer optimizer's per-value state (in files when offloaded)."""
         return 0 if self.offload_outer else 1 + outer_state_copies(self.outer_optimizer)
 
+    @property
+    def sync_pieces(self) -> int:
+        return self.fragments
+
+    @property
+    def offloads_outer(self) -> bool:
+        return self.offload_outer
+
+    def memory_savings(self, blocks: int) -> list:
+        """Offloading the outer state, then fragments of two blocks each (a sync's buffers are one's)."""
+        return [("offload_outer", True), ("fragments", max(blocks // 2, self.fragments, 1))]
+
+    @property
+    def schedule(self) -> SyncSchedule:
+        """Every H steps, fragment p at offset H(p+1)/P mod H; an exchange lands overlap-steps after it starts."""
+        H, P = self.sync_every, self.fragments
+        return SyncSchedule(H, tuple(H * (p + 1) // P % H for p in range(P)), self.overlap_steps)
+
+    def label_options(self) -> list:
+        words = super().label_options()
+        words += [f"P={self.fragments}"] * (self.fragments > 1) + [f"tau={self.overlap_steps}"] * (self.overlap_steps > 0)
+        words += [f"outer {self.outer_optimizer}"] * (self.outer_optimizer != "nesterov")
+        return words + codec_label(self.compress, self.error_feedback)
+
     def make_outer_optimizer(self) -> optim.Optimizer:
         """One fragment's outer optimizer (each fragment keeps its own state)."""
         return OUTER_OPTIMIZERS[self.outer_optimizer](self.outer_lr, self.outer_momentum)
@@ -126,8 +151,9 @@ class DiLoCo(Strategy):
         flat = {k: v[None] for k, v in tree_flatten(params)}
         # Scratch files for the offloaded outer state, removed with the strategy.
         self.offload_dir = offload_folder() if self.offload_outer else None
+        offsets = self.schedule.offsets
         self.model_fragments = [  # one Fragment (its global values, outer state, exchange) per part of the model
-            Fragment(p, pieces, gather(flat, pieces)[0], self.make_outer_optimizer(), H, offset=H * (p + 1) // P % H,
+            Fragment(p, pieces, gather(flat, pieces)[0], self.make_outer_optimizer(), H, offset=offsets[p],
                      delay=self.overlap_steps, alpha=self.alpha, codec=get_codec(self.compress),
                      error_feedback=self.error_feedback, n_local=self.comm.n_local,
                      offload_dir=self.offload_dir and self.offload_dir.name)
@@ -138,7 +164,7 @@ class DiLoCo(Strategy):
             return mean_gradients(self.comm, grads, self.compress)
         return grads
 
-    def after_step(self, params, step):
+    def after_step(self, params, step, tick: TickInputs = NO_INPUTS):
         K = self.ddp_warmup_steps
         if step <= K:  # data parallel: the replicas are equal, and at the end of it the global model
             if step == K or step == self.steps:
@@ -155,12 +181,12 @@ class DiLoCo(Strategy):
             for f in self.model_fragments:
                 if f.pending is not None:
                     flat = f.perform_sync(flat)
-                f.prepare_sync(flat, self.comm, step, self.weights_of(f))
+                f.prepare_sync(flat, self.comm, step, tick.weights_of(f.offset))
                 flat = f.perform_sync(flat, final=True, short_round=f.round_length(step - K) < self.sync_every)
         else:
             for f in self.model_fragments:   # every worker starts the fragments' exchanges in the same order
                 if f.is_send_step(step - K):
-                    f.prepare_sync(flat, self.comm, step, self.weights_of(f))
+                    f.prepare_sync(flat, self.comm, step, tick.weights_of(f.offset))
                     if f.apply_at == step:  # no overlap: land it now, so that fragments syncing at
                         flat = f.perform_sync(flat)  # one step (H < P) hold one's buffers at a time
             for f in self.model_fragments:
@@ -180,9 +206,9 @@ class DiLoCo(Strategy):
         for f in self.model_fragments:
             f.load_state(state["fragments"][f.index], self.comm)
 
-    def global_from_state(self, template, arrays: dict):
+    def global_from_state(self, template, saved):
         """The fragments' global values in their places, in the dtypes of `template`."""
-        fragments = arrays["strategy"]["fragments"]
+        fragments = saved.strategy["fragments"]
         pieces = partition(template, len(fragments), self.fragment_order)
         return global_tree(template, [(p, f["global"]) for p, f in zip(pieces, fragments)])
 

@@ -26,7 +26,7 @@ from ..exchange.codecs import Codec
 from ..exchange.worker_axis import replica
 from ..models.zoo import BLOCK
 from ..options import ConfigError
-from ..schedule import SyncSchedule
+from ..schedules.schedule import SyncSchedule
 
 
 

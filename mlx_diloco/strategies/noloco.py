@@ -55,7 +55,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..exchange.codecs import get_codec
 from ..exchange.worker_axis import flatten_workers, unflatten
-from .base import Strategy, option
+from .base import NO_INPUTS, Strategy, TickInputs, codec_label, option
 
 
 def pairing(workers: int, seed: int, outer_step: int) -> list:
@@ -93,6 +93,9 @@ class NoLoCo(Strategy):
         self.require(self.outer_lr > 0, f"outer-lr must be > 0 (got {self.outer_lr})")
         self.require(0 <= self.outer_momentum < 1, f"outer-momentum must be in [0, 1) (got {self.outer_momentum})")
 
+
+    def label_options(self) -> list:
+        return super().label_options() + codec_label(self.compress)
     def pairing(self, outer_step: int) -> list:
         return pairing(self.comm.num_workers, self.pair_seed, outer_step)
 
@@ -105,7 +108,7 @@ class NoLoCo(Strategy):
         self.momentum = mx.zeros(self.outer.shape)
         mx.eval(self.outer, self.momentum)
 
-    def after_step(self, params, step):
+    def after_step(self, params, step, tick: TickInputs = NO_INPUTS):
         if not self.schedule.syncs(step):
             return params
         dtypes = [(k, v.dtype) for k, v in tree_flatten(params)]

@@ -126,6 +126,12 @@ def with_auto_outer(strategy, workers: int, steps: int):
     return type(strategy)(**{**strategy.options(), **chosen}), choice
 
 
+def explain(strategy, workers: int, steps: int) -> str:
+    """The line that says what auto chooses for `strategy`'s job and why ('' where nothing is auto)."""
+    _, choice = with_auto_outer(strategy, workers, steps)
+    return choice.why() if choice else ""
+
+
 # What runs saved before auto trained with, where they left the option to its default: the outer lr
 # of diloco, muloco, sparta-diloco and quorum before issue 39, their momentum before issue 44. Those
 # runs recorded only the options given; runs since record auto's numbers.

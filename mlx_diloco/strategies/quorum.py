@@ -39,7 +39,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..exchange.codecs import get_codec
 from ..exchange.worker_axis import placeholders
 from ..options import AUTO, NumberOrAuto, WholeOrAuto
-from .base import Strategy, option
+from .base import NO_INPUTS, Strategy, TickInputs, codec_label, option
 from .diloco import OUTER_OPTIMIZERS, outer_state_copies
 from .outer_lr import MOMENTUM_HELP, auto_help, check_outer
 from .fragments import OuterStore, gather, global_tree, partition, scatter
@@ -133,8 +133,9 @@ class Quorum(Strategy):
         self.require(self.staleness_exponent >= 0, f"staleness-exponent must be >= 0 (got {self.staleness_exponent})")
         check_outer(self)
 
-    def label(self) -> str:
-        return f"{super().label()} K={self.quorum or 'M-1'}"
+    def label_options(self) -> list:
+        words = super().label_options() + [f"outer {self.outer_optimizer}"] * (self.outer_optimizer != "nesterov")
+        return words + codec_label(self.compress) + [f"K={self.quorum or 'M-1'}"]
 
     @property
     def outer_copies(self) -> int:
@@ -155,13 +156,9 @@ class Quorum(Strategy):
                                 OUTER_OPTIMIZERS[self.outer_optimizer](self.outer_lr, self.outer_momentum))
         self.rounds = Rounds(M, H, self.quorum or max(M - 1, 1), H // 10 if self.grace_steps < 0 else self.grace_steps)
 
-    def _taken(self, tick: int) -> list:
-        """Each job worker's inner steps after `tick` ticks (training/pacing.py sets steps_taken when
-        workers step at their own pace)."""
-        return self.steps_taken(tick) if self.steps_taken else [tick] * self.comm.num_workers
-
-    def after_step(self, params, step):
-        taken = self._taken(step)
+    def after_step(self, params, step, tick: TickInputs = NO_INPUTS):
+        # each job worker's inner steps by now (workers at their own pace: training/pacing.py says)
+        taken = tick.steps_taken or [step] * self.comm.num_workers
         self.rounds.advance(step, taken)
         applied = self.rounds.due(step, final=step == self.steps)
         if not applied:
@@ -211,8 +208,8 @@ class Quorum(Strategy):
     def global_params(self, params):
         return global_tree(self.template, [(self.pieces, self.store.global_values)])
 
-    def global_from_state(self, template, arrays: dict):
-        return global_tree(template, [(partition(template, 1)[0], arrays["strategy"]["global"])])
+    def global_from_state(self, template, saved):
+        return global_tree(template, [(partition(template, 1)[0], saved.strategy["global"])])
 
     def state(self) -> dict:
         return {"global": self.store.global_values, "outer": self.store.outer_state, "rounds": self.rounds.state()}

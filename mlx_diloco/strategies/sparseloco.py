@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .base import Strategy, option
+from .base import NO_INPUTS, Strategy, TickInputs, option
 from .demo import as_matrix, index_dtype, largest_divisor, mean_over_senders, scatter
 
 BITS = 2                  # per quantized value: 4 codes a byte
@@ -150,7 +150,7 @@ class SparseLoCo(Strategy):
         """One worker's message at a sync, every tensor's (CHECK_BYTES and the (M - 1) hops aside)."""
         return sum(c.wire_bytes() for c in self.chunks.values())
 
-    def after_step(self, params, step):
+    def after_step(self, params, step, tick: TickInputs = NO_INPUTS):
         if not self.schedule.syncs(step) and step != self.steps:  # a run always ends synced
             return params
         flat = dict(tree_flatten(params))
@@ -200,7 +200,7 @@ class SparseLoCo(Strategy):
         self.global_values = {k: saved_global[k] for k in self.global_values}
         self.error = {k: saved_error[k] for k in self.error}
 
-    def global_from_state(self, template, arrays: dict):
+    def global_from_state(self, template, saved):
         """The global values a checkpoint holds, in the dtypes of `template`."""
-        saved = dict(tree_flatten(arrays["strategy"]["global"]))
-        return tree_unflatten([(k, saved[k].astype(v.dtype)) for k, v in tree_flatten(template)])
+        values = dict(tree_flatten(saved.strategy["global"]))
+        return tree_unflatten([(k, values[k].astype(v.dtype)) for k, v in tree_flatten(template)])

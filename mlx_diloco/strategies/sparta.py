@@ -9,7 +9,7 @@ import numpy as np
 
 from ..exchange.codecs import get_codec
 from ..exchange.worker_axis import flatten_workers, unflatten
-from .base import Strategy, option
+from .base import NO_INPUTS, Strategy, TickInputs, codec_label, option
 
 
 @dataclass
@@ -23,6 +23,9 @@ class SPARTA(Strategy):
         get_codec(self.compress)
         self.require(0 <= self.fraction <= 1, f"fraction must be in [0, 1] (got {self.fraction})")
 
+
+    def label_options(self) -> list:
+        return super().label_options() + codec_label(self.compress)
     def indices(self, size: int, step: int) -> mx.array:
         if self.fraction >= 1:
             return mx.arange(size)
@@ -32,7 +35,7 @@ class SPARTA(Strategy):
         count = max(1, round(self.fraction * size))
         return mx.array(np.sort(rng.choice(size, count, replace=False, shuffle=False)))
 
-    def after_step(self, params, step):
+    def after_step(self, params, step, tick: TickInputs = NO_INPUTS):
         if self.fraction == 0:
             return params
         flat, shapes = flatten_workers(params)

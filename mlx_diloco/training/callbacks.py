@@ -5,7 +5,10 @@ through mlx-lm's own callbacks), and any logger a user passes to `Run(callbacks=
 
     class Printer(TrainingCallback):
         def on_val_loss_report(self, info):
-            print(info["step"], info["eval_loss"])
+            print(info[ROW.step], info[ROW.eval_loss])     # from mlx_diloco.records import ROW
+
+Each report's keys are declared in records.py: a train report's in PROGRESS, a metrics row's in
+ROW, an exchange's in EXCHANGE, the summary's in SUMMARY.
 """
 
 import importlib.util
@@ -19,6 +22,7 @@ from tqdm import tqdm
 
 from ..atomic import atomic_write_text
 from ..options import ConfigError
+from ..records import MLX_LM, PROGRESS, ROW, STATUS, SUMMARY
 from ..run_status import StatusWriter, StepRate, passed
 from .metrics import MetricsLog, human_bytes
 
@@ -27,28 +31,25 @@ class TrainingCallback:
     """Observes a run; every hook does nothing unless overridden."""
 
     def on_train_begin(self, info: dict):
-        """Before `Run.train`'s first step: {"step": steps done so far, "steps": the run's}."""
+        """Before `Run.train`'s first step: PROGRESS's step (steps done so far) and steps (the run's)."""
 
     def on_train_loss_report(self, info: dict):
         """After every step at which this process's workers trained (a slower worker may wait out
-        a step: speeds.py): {"step", "steps", "loss": the mean of this step's local losses,
-        "worker_losses": each local worker's (None for one that did not train at this step),
-        "tokens_per_s": this process's, "job_tokens_per_s": the whole job's, "sync_s": time spent
-        waiting for exchanges so far, "bytes_sent": by one worker so far}."""
+        a step: speeds.py): a train report (records.PROGRESS: the step, its losses, tokens per
+        second, time waiting for exchanges, bytes sent, ...)."""
 
     def on_val_loss_report(self, info: dict):
-        """At every evaluation, on the reporting process: the metrics row (metrics.jsonl), with
-        "eval_loss" (the global model's), "eval_loss_workers", "train_loss", "tokens", ..."""
+        """At every evaluation, on the reporting process: the metrics row (metrics.jsonl, records.ROW:
+        the global model's eval loss, each worker's, the train loss, tokens, ...)."""
 
     def on_sync_report(self, info: dict):
-        """For every exchange that finished: {"step", "what", "codec", "algorithm", "payload_bytes",
-        "sent_bytes", "overlap_steps", "modelled_s", "exposed_s", "blocked_s"} (exchanges.jsonl)."""
+        """For every exchange that finished: its row (exchanges.jsonl, records.EXCHANGE)."""
 
     def on_train_end(self, summary: dict):
-        """After `Run.train`'s last step: the run's summary (summary.json)."""
+        """After `Run.train`'s last step: the run's summary (summary.json, records.SUMMARY)."""
 
     def on_train_stopped(self, info: dict):
-        """`Run.train` stopped early, on an error or a request to stop: {"step": steps done}."""
+        """`Run.train` stopped early, on an error or a request to stop: PROGRESS's step (steps done)."""
 
 
 class MetricsFile(TrainingCallback):
@@ -82,18 +83,18 @@ class ProgressBar(TrainingCallback):
         self.description, self.bar = description, None
 
     def on_train_begin(self, info):
-        self.bar = tqdm(total=info["steps"], initial=info["step"], file=sys.stderr, desc=self.description,
-                        dynamic_ncols=True)
+        self.bar = tqdm(total=info[PROGRESS.steps], initial=info[PROGRESS.step], file=sys.stderr,
+                        desc=self.description, dynamic_ncols=True)
 
     def on_train_loss_report(self, info):
         if self.bar is None:  # steps taken one by one (Run.step), not by Run.train
             return
-        self.bar.update(info["step"] - self.bar.n)
-        self.bar.set_postfix(loss=f"{info['loss']:.3f}", tok_s=f"{info['job_tokens_per_s']:,.0f}",
-                             sent=human_bytes(info["bytes_sent"]))
+        self.bar.update(info[PROGRESS.step] - self.bar.n)
+        self.bar.set_postfix(loss=f"{info[PROGRESS.loss]:.3f}", tok_s=f"{info[PROGRESS.job_tokens_per_s]:,.0f}",
+                             sent=human_bytes(info[PROGRESS.bytes_sent]))
 
     def on_train_end(self, summary):
-        self.bar.update(summary["steps"] - self.bar.n)  # with the steps a slower worker waited out
+        self.bar.update(summary[SUMMARY.steps] - self.bar.n)  # with the steps a slower worker waited out
         self.bar.close()
 
     def on_train_stopped(self, info):
@@ -108,9 +109,15 @@ class ProgressFile(TrainingCallback):
         self.path = path
 
     def on_train_loss_report(self, info):
+        kept = (PROGRESS.step, PROGRESS.steps, PROGRESS.loss, PROGRESS.tokens_per_s)  # and passed's (time_s, ...)
+        self.last = {**{k: info[k] for k in kept}, **passed(info)}
+        atomic_write_text(self.path, json.dumps({**self.last, PROGRESS.time: time.time()}), durable=False)
+
+    def on_train_end(self, summary):
+        """The run's whole time split, its end included (the launcher's summary reads rank 0's)."""
         atomic_write_text(self.path, json.dumps({
-            "step": info["step"], "steps": info["steps"], "loss": info["loss"], "tokens_per_s": info["tokens_per_s"],
-            **passed(info), "time": time.time()}), durable=False)
+            **getattr(self, "last", {}), PROGRESS.process_s: summary[SUMMARY.process_s],
+            PROGRESS.time_s: summary[SUMMARY.time_s], PROGRESS.time: time.time()}), durable=False)
 
 
 class StatusFile(TrainingCallback):
@@ -122,25 +129,28 @@ class StatusFile(TrainingCallback):
         self.host, self.rows = platform.node(), []
 
     def on_train_begin(self, info):
-        self.rows = [{"worker": w, "host": self.host, "step": info["step"], "state": "training"} for w in self.workers]
-        self.writer.write(info["step"], info["steps"], self.rows, force=True)
+        self.rows = [{STATUS.worker: w, STATUS.host: self.host, STATUS.step: info[PROGRESS.step],
+                      STATUS.state: "training"} for w in self.workers]
+        self.writer.write(info[PROGRESS.step], info[PROGRESS.steps], self.rows, force=True)
 
     def on_train_loss_report(self, info):
         """A worker without a loss at this step did not train at it: it waits (a slower worker, or one
         out of the job until its turn in a membership schedule)."""
         if not self.writer.due():
             return
-        step, trained = info["step"], sum(loss is not None for loss in info["worker_losses"])
+        step, trained = info[PROGRESS.step], sum(loss is not None for loss in info[PROGRESS.worker_losses])
         rate = self.rate("process", time.time(), step)
-        self.rows = [{"worker": w, "host": self.host, "step": step, "steps_per_s": rate, "loss": loss,
-                      "state": "training" if loss is not None else "waiting",
-                      "tokens_per_s": info["tokens_per_s"] / trained if loss is not None else None, **passed(info)}
-                     for w, loss in zip(self.workers, info["worker_losses"])]
-        self.writer.write(step, info["steps"], self.rows)
+        self.rows = [STATUS.check({
+            STATUS.worker: w, STATUS.host: self.host, STATUS.step: step, STATUS.steps_per_s: rate, STATUS.loss: loss,
+            STATUS.state: "training" if loss is not None else "waiting",
+            STATUS.tokens_per_s: info[PROGRESS.tokens_per_s] / trained if loss is not None else None, **passed(info)})
+            for w, loss in zip(self.workers, info[PROGRESS.worker_losses])]
+        self.writer.write(step, info[PROGRESS.steps], self.rows)
 
     def on_train_end(self, summary):
-        rows = [{**row, "step": summary["steps"], "state": "done"} for row in self.rows]
-        self.writer.write(summary["steps"], summary["steps"], rows, force=True)
+        steps = summary[SUMMARY.steps]
+        rows = [{**row, STATUS.step: steps, STATUS.state: "done"} for row in self.rows]
+        self.writer.write(steps, steps, rows, force=True)
 
 
 class Loggers(TrainingCallback):
@@ -171,15 +181,16 @@ def check_loggers(config):
 def mlx_lm_train_info(info: dict) -> dict:
     """A train report in mlx-lm's keys (tuner/trainer.py's train_info): the step as its iteration,
     the whole job's tokens per second; ours beside them."""
-    return {"iteration": info["step"], "train_loss": info["loss"], "tokens_per_second": info["job_tokens_per_s"],
-            "sync_s": info["sync_s"], "bytes_sent": info["bytes_sent"]}
+    return MLX_LM.check({MLX_LM.iteration: info[PROGRESS.step], MLX_LM.train_loss: info[PROGRESS.loss],
+                         MLX_LM.tokens_per_second: info[PROGRESS.job_tokens_per_s],
+                         PROGRESS.sync_s: info[PROGRESS.sync_s], PROGRESS.bytes_sent: info[PROGRESS.bytes_sent]})
 
 
 def mlx_lm_val_info(row: dict) -> dict:
     """An evaluation (a metrics row) in mlx-lm's keys (val_info, and train_info's trained_tokens and
     peak_memory in GB): the global model's loss as val_loss; of ours, the numbers a chart can show
     (not the per-worker lists, nor None)."""
-    info = {"iteration": row["step"], "val_loss": row["eval_loss"], "trained_tokens": row.get("tokens"),
-            "peak_memory": row["peak_memory_bytes"] / 1e9}
-    info.update({key: row[key] for key in ("bytes_sent_per_worker", "utilisation", "modelled_time_s", "wall_s")})
+    info = {MLX_LM.iteration: row[ROW.step], MLX_LM.val_loss: row[ROW.eval_loss],
+            MLX_LM.trained_tokens: row.get(ROW.tokens), MLX_LM.peak_memory: row[ROW.peak_memory_bytes] / 1e9}
+    info.update({key: row[key] for key in (ROW.bytes_sent_per_worker, ROW.utilisation, ROW.modelled_time_s, ROW.wall_s)})
     return {key: value for key, value in info.items() if value is not None}

@@ -54,10 +54,12 @@ def write_safetensors(path: Path, flat: dict, metadata: dict):
             f.write(np.ascontiguousarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a).data)
 
 
-def save(folder: Path, step: int, arrays: dict, meta: dict):
+def save(folder: Path, step: int, arrays: dict, meta: dict, durable: bool = True):
     """Checkpoint `step` in `folder`: `arrays`, the nested tree of mx.arrays (see above), is emptied
-    as it is written (pass it inline: see write_safetensors); `meta` holds run_folder.META's keys
-    but layout and step, which are added here."""
+    as it is written (pass it inline: see write_safetensors); `meta` holds records.META's keys
+    but layout and step, which are added here. `durable=False` leaves the files to the page cache
+    (no fsync): for a state this machine's next process reads (an elastic worker's own), which a
+    process's death does not lose; after a machine's crash a torn one is passed over (`load`)."""
     meta = {**meta, "layout": LAYOUT, "step": step}
     if why := meta_flaw(meta):
         raise ValueError(f"checkpoint meta does not match the schema: {why}")
@@ -67,14 +69,26 @@ def save(folder: Path, step: int, arrays: dict, meta: dict):
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".ckpt-{step}.tmp.safetensors"
     write_safetensors(tmp, flat, {"format": "mlx-diloco", "step": str(step), "layout": str(LAYOUT)})
-    with open(tmp, "rb") as f:  # fsync through a fresh handle, then rename into place
-        os.fsync(f.fileno())
+    if durable:
+        with open(tmp, "rb") as f:  # fsync through a fresh handle, then rename into place
+            os.fsync(f.fileno())
     tmp.replace(folder / f"ckpt-{step}.safetensors")
-    atomic_write_text(folder / f"ckpt-{step}.json", json.dumps(meta, indent=1))
-    atomic_write_text(folder / "latest.json", json.dumps({"step": step}))
+    atomic_write_text(folder / f"ckpt-{step}.json", json.dumps(meta, indent=1), durable)
+    atomic_write_text(folder / "latest.json", json.dumps({"step": step}), durable)
     for old in sorted(folder.glob("ckpt-*.json"), key=_step_of)[:-KEEP]:
         old.unlink(missing_ok=True)
         old.with_suffix(".safetensors").unlink(missing_ok=True)
+
+
+def in_order_of(tree, saved):
+    """`saved`, its dicts' keys in the order `tree` has them (a checkpoint reads back sorted, and
+    whatever walks a tree in order, SPARTA's flat indices, must find the same parameters)."""
+    if isinstance(saved, dict) and isinstance(tree, dict):
+        keys = [k for k in tree if k in saved] + [k for k in saved if k not in tree]
+        return {k: in_order_of(tree.get(k), saved[k]) for k in keys}
+    if isinstance(saved, (list, tuple)) and isinstance(tree, (list, tuple)) and len(saved) == len(tree):
+        return type(saved)(in_order_of(t, v) for t, v in zip(tree, saved))
+    return saved
 
 
 def _read(folder: Path, step: int):

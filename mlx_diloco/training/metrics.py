@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ..atomic import atomic_write_text
 from ..config import ConfigError
+from ..records import ROW
 
 
 class MetricsLog:
@@ -15,7 +16,7 @@ class MetricsLog:
     def truncate_after(self, step: int):
         """On resume, drop rows written after the checkpoint: that work is being redone."""
         if self.path.exists():
-            rows = [r for r in self.read(self.path) if r["step"] <= step]
+            rows = [r for r in self.read(self.path) if r[ROW.step] <= step]  # (an exchange row's step: the same key)
             atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in rows))
 
     def write(self, row: dict):

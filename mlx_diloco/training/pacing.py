@@ -1,12 +1,14 @@
 """Which of this process's workers step at each tick: workers of different speeds (speeds.py),
 how long a tick counts, and, under speed-policy time on a real cluster (no speeds given), the
 speeds measured over the first round; or a membership schedule (membership.py): who is a member,
-how each member's pseudo-gradient counts at a sync, and who leaves or joins when."""
+how each member's pseudo-gradient counts at a sync, and who leaves or joins when. What the
+strategy's step needs of it comes as an argument (`inputs_at`: strategies.base.TickInputs)."""
 
 import mlx.core as mx
 
-from ..membership import Schedule, Timeline
-from ..speeds import Speeds
+from ..schedules.membership import Schedule, Timeline
+from ..schedules.speeds import Speeds
+from ..strategies.base import NO_INPUTS, TickInputs
 
 
 class Pacing:
@@ -21,15 +23,10 @@ class Pacing:
             if history else self.planned
         # Time-paced without given speeds (a real cluster): measured over the first round.
         self.measuring = config.speed_policy == "time" and self.speeds is None and config.workers > 1
-        if self.speeds and self.speeds.policy == "time":
-            self._weigh_by_tokens()
 
-    def _weigh_by_tokens(self):
-        """Workers take the steps that fit a round: weigh each worker's pseudo-gradient by the
-        tokens it processed, and tell the strategy who steps when."""
-        weights = self.speeds.sync_weights(self.strategy.sync_every)  # every worker steps in a round
-        self.strategy.sync_weights = [weights[w] for w in self.slots]
-        self.strategy.steps_taken = self.speeds.steps_taken
+    def _time_paced(self) -> bool:
+        """Workers take the steps that fit a round (speed-policy time, speeds given or measured)."""
+        return bool(self.speeds) and self.speeds.policy == "time"
 
     @staticmethod
     def _timeline(schedule, strategy, steps: int):
@@ -72,14 +69,19 @@ class Pacing:
             return self.timeline.steps_taken(ticks)
         return self.speeds.steps_taken(ticks) if self.speeds else [ticks] * self.workers
 
-    def weigh_sync(self, tick: int):
-        """Before the strategy's after_step: under a membership schedule, a sync at this tick weighs
-        each worker's pseudo-gradient by the inner steps it took in the window the sync covers."""
+    def inputs_at(self, tick: int) -> TickInputs:
+        """What the strategy's after_step at this tick needs to know of the workers' pace: time-paced,
+        each worker's pseudo-gradient weighed by the tokens it processed in a round and the steps
+        each has taken; under a membership schedule, a sync at this tick weighs each by the inner
+        steps it took in the window the sync covers."""
+        if self._time_paced():
+            weights = self.speeds.sync_weights(self.strategy.sync_every)  # every worker steps in a round
+            return TickInputs([weights[w] for w in self.slots], self.speeds.steps_taken(tick))
         if self.timeline and (weights := self.timeline.sync_weights(tick)) is not None:
             # Factors for a mean over the job's slots; a ring of the members alone averages over fewer.
             ring = self.comm.num_workers / self.timeline.slots
-            self.strategy.sync_weights = {offset: [factors[w] * ring for w in self.slots]
-                                          for offset, factors in weights.items()}
+            return TickInputs({offset: [factors[w] * ring for w in self.slots] for offset, factors in weights.items()})
+        return NO_INPUTS
 
     def is_sync_point(self, tick: int) -> bool:
         """Whether a fragment of the model syncs at this tick (where a joiner can be admitted)."""
@@ -125,7 +127,6 @@ class Pacing:
         # In steps of 0.05 (machines within a few percent count as equal), and at least one step a round.
         speeds = tuple(max(round(20 * min(times) / t) / 20, 1 / H) for t in times)
         self.speeds, self.measuring = Speeds(speeds, "time", start=H), False
-        self._weigh_by_tokens()
         self.log(f"measured worker speeds: {', '.join(f'{s:g}' for s in speeds)}; each takes the steps that fit a round")
 
     def worker_speeds(self):
@@ -137,4 +138,3 @@ class Pacing:
         """A resumed run keeps the speeds it measured before its checkpoint."""
         if self.measuring and speeds:
             self.speeds, self.measuring = Speeds(tuple(speeds), "time", start=self.strategy.sync_every), False
-            self._weigh_by_tokens()

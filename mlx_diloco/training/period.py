@@ -6,16 +6,14 @@ The step time: --step-time where given (sim's time model, the gym's problems), e
 FLOPs per step at sync_period.ASSUMED_MFU of this machine's measured matmul peak (the line says so).
 """
 
-from dataclasses import replace
-
 from ..exchange.codecs import get_codec
 from ..exchange.comm import exchange_plan
 from ..exchange.network import exchange_time, parse_link
-from ..memory import trained_shape
+from ..machine.memory import trained_shape
 from ..options import AUTO, ConfigError
 from ..strategies.outer_lr import few_outer_steps
-from ..sync_period import ASSUMED_MFU, SyncCost, choose_sync_every, period_line
-from ..utilisation import flops_per_token, peak_gflops
+from ..schedules.sync_period import ASSUMED_MFU, SyncCost, choose_sync_every, period_line
+from ..machine.utilisation import flops_per_token, peak_gflops
 
 
 def has_period(strategy) -> bool:
@@ -62,8 +60,3 @@ def with_period(config, strategy, values: int = None) -> tuple:
     if note := few_outer_steps(config.workers, H, config.steps, choose_sync_every(cost, strategy.overlap_steps + 1)):
         notes.append(note)
     return strategy, notes
-
-
-def recorded(config, strategy):
-    """`config` with the resolved period in its strategy options (what the run records)."""
-    return replace(config, strategy_options={**config.strategy_options, "sync_every": strategy.sync_every})

@@ -12,12 +12,12 @@ from ..data.datasets import EMBEDDED, FASHION_MNIST, is_fashion_mnist_folder, lo
 from ..data.post_training import load_post_training
 from ..models.finetune import adapted_blocks, check_fine_tune
 from ..models.zoo import build_model, import_builder, load_spec
-from ..objectives import check_model as check_objective_model
+from ..objectives import kind as objective_kind, objective_class
 from ..options import AUTO
 from ..strategies import make_strategy, strategy_class
-from ..strategies.outer_lr import DEFAULT_BEFORE_AUTO, with_auto_outer
+from ..strategies.outer_lr import DEFAULT_BEFORE_AUTO, explain
 from . import checkpoint
-from .period import has_period, recorded, with_period
+from .period import has_period, with_period
 
 
 def saved_config(run_dir: Path) -> TrainConfig:
@@ -37,6 +37,24 @@ def as_it_ran(config: TrainConfig) -> TrainConfig:
     return replace(config, strategy_options={**config.strategy_options, **before}) if before else config
 
 
+def strategy_for_job(strategy, config: TrainConfig, values: int = None, api: bool = False) -> tuple:
+    """(the strategy with its `auto` options given their numbers for the config's job, the config recording
+    them, the lines that say what was chosen and why): the one call that works them out, for the
+    config's workers, steps and link: the sync period first (training/period.py: the outer step's rule
+    reads H), then the rest (Strategy.for_job). `api`: the Python API's model, which its config does not
+    name: the period is worked out (from `values`, what trains) only for sync-every auto."""
+    notes, given = [], strategy.options()
+    if has_period(strategy) and (not api or strategy.sync_every == AUTO):
+        strategy, notes = with_period(config, strategy, values)
+    notes += [why] if (why := explain(strategy, config.workers, config.steps)) else []
+    job = strategy.for_job(config.workers, config.steps)
+    worked_out = job.options()
+    if worked_out != given:  # recorded as the numbers
+        config = replace(config, strategy_options={**config.strategy_options,
+                                                   **{k: v for k, v in worked_out.items() if v != given.get(k)}})
+    return job, config, notes
+
+
 @dataclass
 class Resolved:
     """What a config names, built and checked together once (`resolve`)."""
@@ -51,14 +69,7 @@ def resolve(config: TrainConfig) -> Resolved:
     works from any directory; seq-len 0 replaced by the model's context; outer-lr auto replaced by
     its number), with its strategy and model spec, each checked against the others. The strategy
     first: a misspelled option is the first thing said, before a model or data is looked for."""
-    strategy = make_strategy(config.strategy, config.strategy_options)  # its options: names, types, ranges
-    strategy, notes = with_period(config, strategy)  # sync-every auto first: the outer step's rule reads H
-    config = recorded(config, strategy) if has_period(strategy) else config
-    strategy, auto = with_auto_outer(strategy, config.workers, config.steps)
-    if auto:  # recorded as its numbers, and said once
-        config = replace(config, strategy_options={**config.strategy_options, "outer_lr": strategy.outer_lr,
-                                                   "outer_momentum": strategy.outer_momentum})
-        notes.append(auto.why())
+    strategy, config, notes = strategy_for_job(make_strategy(config.strategy, config.strategy_options), config)
     config.check_strategy(strategy)
 
     def absolute(path: str, names=()):
@@ -79,10 +90,9 @@ def resolve(config: TrainConfig) -> Resolved:
         notes.append(f"num-layers {config.num_layers} is more than the model's {blocks} blocks: adapters on all "
                      f"{blocks}, as mlx-lm puts them")
         config = replace(config, num_layers=blocks)
-    check_objective_model(config, spec)
-    if config.objective == "grpo" and config.grpo_loss_type == "dr_grpo" and not config.scale_rewards:
-        notes.append("grpo-loss-type dr_grpo: advantages not divided by the group's reward std (scale-rewards "
-                     "none), as Dr. GRPO's paper has it; pass --scale-rewards group to keep it")
+    objective = objective_class(config.objective)
+    objective.check_model(config, spec)
+    notes += objective.notes(config)
     strategy.check_model(spec, adapted_blocks(config, spec.num_blocks))  # adapters: what the strategy exchanges
     if config.seq_len == 0 and spec.is_language_model and not arrays:
         config = replace(config, seq_len=min(spec.context_length, DEFAULT_MAX_SEQ_LEN))
@@ -97,8 +107,8 @@ def load_data(config: TrainConfig, spec, log=print, shard_dir=None):
     tokenizer = config.tokenizer or (str(spec.path) if spec.path else "")
     if shard_dir:
         data = load_shard(shard_dir)
-    elif config.objective != "sft":  # preference pairs or prompts (objectives/)
-        data = load_post_training(config.objective, config.data, tokenizer, config.seq_len,
+    elif (objective := objective_kind(config.objective)).post_training:  # preference pairs or prompts
+        data = load_post_training(objective.name, config.data, tokenizer, config.seq_len,
                                   config.max_completion_length, log)
     else:
         data = prepare(config.data, config.seq_len, spec.vocab_size or 0, tokenizer, log=log,

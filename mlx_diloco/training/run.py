@@ -9,7 +9,6 @@ when they are due. `Run.train()` steps to the end.
 """
 
 import json
-import math
 import shutil
 import time
 from contextlib import contextmanager
@@ -20,8 +19,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..records import metrics_row, run_summary
-from ..atomic import atomic_write_text
+from ..records import META, OPTIONAL_META, TIME, SavedArrays
 from ..config import ConfigError, TrainConfig
 from ..data.datasets import BatchStream, ShardSampler, oversized_batch
 from ..exchange.comm import Communicator, NonFiniteValues
@@ -32,41 +30,25 @@ from ..exchange.worker_axis import flatten_workers, unflatten
 from ..models.adapters import ADAPTERS, save_adapters
 from ..models.checkpointing import checkpoint_blocks
 from ..models.finetune import ADAPTER_TYPES, adapter_config, apply_fine_tune, is_quantized, trainable_count
-from ..models.kernels import paths as kernel_paths
 from ..models.precision import to_bf16
-from ..memory import model_shape
+from ..machine.memory import model_shape
 from ..models.zoo import count_parameters
 from ..objectives import make_objective
+from ..objectives.base import Context
 from ..objectives.rewards import RewardError
 from ..run_folder import check_new_run_dir, latest_step
-from ..utilisation import flops_per_token, mfu, peak_gflops
+from ..machine.utilisation import flops_per_token, process_start
 from ..worker_job import WorkerJob
 from . import checkpoint
+from .checkpoint import in_order_of
+from .clock import RunClock
+from .elastic import Elastic, StoppedForChange  # noqa: F401 (StoppedForChange: the worker catches it)
 from .callbacks import Loggers, MetricsFile, ProgressBar, ProgressFile, StatusFile, check_loggers
 from .metrics import MetricsLog
 from .pacing import Pacing
+from .reports import Reports
 from .resolve import Parts, parts_from_config, resolve, saved_config
 from .workers import Workers, check_loss
-
-
-class StoppedForChange(Exception):
-    """This worker saved its state for a membership change; the launcher starts the job's next ring."""
-
-
-class StopRequests:
-    """What the launcher asks of an elastic cluster worker, in a JSON file its agent writes:
-    {"stop": "now"}: save at the end of this step and exit (a member was lost: the others keep their
-    steps); {"stop": "at_sync", "after": T}: the same at the first sync point from step T on (a
-    machine joins there)."""
-
-    def __init__(self, path):
-        self.path = Path(path)
-
-    def asked(self) -> dict:
-        try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError):  # none yet (or being written: read again next step)
-            return {}
 
 
 @contextmanager
@@ -108,22 +90,6 @@ def convert_model(model, config: TrainConfig):
                           "drop --grad-checkpoint")
 
 
-def in_order_of(tree, saved):
-    """`saved`, its dicts' keys in the order `tree` has them (a checkpoint reads back sorted)."""
-    if isinstance(saved, dict) and isinstance(tree, dict):
-        keys = [k for k in tree if k in saved] + [k for k in saved if k not in tree]
-        return {k: in_order_of(tree.get(k), saved[k]) for k in keys}
-    if isinstance(saved, (list, tuple)) and isinstance(tree, (list, tuple)) and len(saved) == len(tree):
-        return type(saved)(in_order_of(t, v) for t, v in zip(tree, saved))
-    return saved
-
-
-def mean_of_numbers(values: list) -> float:
-    """The mean of the values that are not NaN (a worker that took no step has a NaN loss); NaN if none."""
-    numbers = [v for v in values if not math.isnan(v)]
-    return sum(numbers) / len(numbers) if numbers else float("nan")
-
-
 @dataclass
 class Tick:
     """One tick's inner step, as `Run.end_step` takes it."""
@@ -138,7 +104,10 @@ class Run:
     TrainingCallbacks that hear its reports, after the run's own (metrics files, progress)."""
 
     def __init__(self, config: TrainConfig, run_dir, comm: Communicator, reporter: bool = True,
-                 resume: bool = False, log=print, job: WorkerJob = None, parts: Parts = None, callbacks=None):
+                 resume: bool = False, log=print, job: WorkerJob = None, parts: Parts = None, callbacks=None,
+                 started_at: float = None):
+        """`started_at`: when the run started in this process (a worker's: the process's start); default now."""
+        started_at = started_at or time.time()
         self.run_dir, self.comm, self.reporter, self.log = Path(run_dir), comm, reporter, log
         # A worker of a cluster or of sim's processes has its job (worker_job.py); the simulator, the defaults.
         self.job = job = job or WorkerJob(config={}, run_dir=str(run_dir))
@@ -188,27 +157,27 @@ class Run:
         held_out = self.data.eval_batches(config.batch_size, config.eval_sequences)
         self.eval_examples = sum(len(x) for x, _ in held_out)
         self.eval_batches = self.objective.eval_batches(self.workers, held_out)
+        # What the objective may use of the run (objectives/base.py)
+        self.context = Context(self.workers, comm, self.slots, reporter, self.global_params, self.eval_batches)
         if parts.loss is not None:  # a user's loss, tried on one batch before the run folder exists
             with memory_limit(config.memory_limit):
                 check_loss(parts.loss, model, *self.eval_batches[0])
         self.ledger = ExchangeLedger(parse_link(config.link))
-        self.steps_done = 0
-        self.compute_s = 0.0     # measured compute time of one worker
-        self.waited_s = {"link_s": 0.0, "straggler_s": 0.0}  # before this process: a checkpoint's
+        # steps done, where the time went (clock.py)
+        self.clock = RunClock(comm, started_at, flops_per_token=model_flops_per_token(model, self.spec, config))
         self._step_s = 0.0       # the last inner step's (a slow worker may wait out the first ticks)
-        self._loss_sum, self._loss_count = self._no_train_losses()  # each local worker's, since the last evaluation
-        self.wall_start = time.time()
+        self.reports = Reports(config, comm, job, self.data, self.strategy, self.pacing, self.ledger, self.clock)
         self.n_params = count_parameters(model)
-        self.flops_per_token = model_flops_per_token(model, self.spec, config)
-        self.peak_gflops = peak_gflops() if self.flops_per_token else None
-        self.tokens_here = 0     # tokens this process trained (its MFU over its wall-clock time)
         if resume:
             self._restore()
         elif reporter:  # everything checked out: only now create the run folder
             self._create_run_folder()
-        if job.ring_slots:  # an elastic cluster's ring
-            self._catch_up(job.joiners or [])
-        self.stop_requests = StopRequests(job.control) if job.control else None
+        # An elastic cluster's ring (training/elastic.py): its workers brought to one round as it starts.
+        self.elastic = Elastic(job, comm, self.pacing, self.strategy, self.workers, self.ledger, self.clock,
+                               self.samplers, self.data_workers, config.batch_size, self.checkpoint_dir,
+                               snapshot=self.state, log=log) if job.ring_slots else None
+        if self.elastic:
+            self.elastic.start()
         self.callbacks = self._own_callbacks(resume) + list(callbacks or [])
 
     @classmethod
@@ -217,7 +186,24 @@ class Run:
         and peers from MLX's environment (exchange/ring.py)."""
         comm = init_ring(job.collective_timeout, job.workers_per_process, job.backend)
         return cls(job.train_config, job.run_dir, comm, reporter=comm.local_workers[0] == 0,
-                   resume=job.resume_step is not None, log=log, job=job)
+                   resume=job.resume_step is not None, log=log, job=job, started_at=process_start())
+
+    @property
+    def steps_done(self) -> int:
+        return self.clock.steps
+
+    @steps_done.setter
+    def steps_done(self, steps: int):
+        self.clock.steps = steps
+
+    @property
+    def compute_s(self) -> float:
+        """Measured compute time of one worker."""
+        return self.clock.compute_s
+
+    @compute_s.setter
+    def compute_s(self, seconds: float):
+        self.clock.compute_s = seconds
 
     def _samplers(self, num_shards: int) -> list:
         """Each local worker's cursor in its shard of the training data (batches given one by one:
@@ -261,17 +247,14 @@ class Run:
             self._report("on_train_begin", {"step": self.steps_done, "steps": self.config.steps})
             try:
                 while self.steps_done < self.config.steps:
-                    if self.stop_requests and (why := self._why_stop()):
-                        self.save_local_state()
-                        self._report_stop(why)
-                        raise StoppedForChange(why)
                     self.step()
                     if stop_after is not None and self.steps_done >= stop_after:
                         break
             except BaseException:
                 self._report("on_train_stopped", {"step": self.steps_done})
                 raise
-            self.peak_memory = self._peak_memory()  # the last global evaluation and checkpoint included
+            with self.clock.part(TIME.eval_s):
+                self.peak_memory = self._peak_memory()  # the last global evaluation and checkpoint included
             summary = self.summary()
         self._report("on_train_end", summary)
         return summary
@@ -279,23 +262,25 @@ class Run:
     def step(self, batch=None):
         """One tick of the job. `batch`: this process's (x, y), each with a leading axis over its
         workers (default: the next batch of each worker's shard)."""
-        if self.stop_requests and self._meets_peers(self.steps_done + 1):
-            self.save_local_state()  # a peer lost in the exchange ahead must not cost this worker its round
-        self.end_step(self.inner_step(batch))
+        with self.clock.tick():  # (clock.py: where the time goes)
+            if self.elastic:  # an elastic cluster's worker: it may stop here for a membership change
+                self.elastic.before_tick(meets_peers=self._meets_peers(self.steps_done + 1))
+            self.end_step(self.inner_step(batch))
 
     def inner_step(self, batch=None) -> Tick:
         """The first half of `step`: the inner step of the local workers that step at this tick
         (speeds.py), timed. Until `end_step`, they hold their local parameters."""
         if self.steps_done == 0:  # the starting point of every curve
-            self.evaluate(None, self._worker_losses(0))
+            with self.clock.part(TIME.eval_s):
+                self.evaluate(None, self._worker_losses(0))
         tick = Tick(self.steps_done + 1)
         tick.members = self.pacing.members(tick.step)
         x, y = batch or self.next_batch(tick.members)
         t0, wait0 = time.perf_counter(), self.comm.wait_s
         active = self.pacing.active(tick.step)
         if active is None or any(active):  # else this process's workers wait out the tick
-            with self._stop_on_reward_error(tick.step):  # the objective's batch (GRPO: rollouts, rewards)
-                x, y = self.objective.batch(self, x, y, tick)
+            with self._stop_on_reward_error(tick.step), self.clock.part(TIME.generate_s):
+                x, y = self.objective.batch(self.context, x, y, tick)  # (GRPO: rollouts, rewards)
             with self._stop_on_non_finite(tick.step):
                 tick.losses = self.workers.step(x, y, self.strategy, tick.step, active)
             tick.seconds = time.perf_counter() - t0
@@ -312,23 +297,22 @@ class Run:
         self.compute_s += self.pacing.tick_seconds(c.step_time or self._step_s)
         evaluate = t % self.eval_every == 0 or t == c.steps
         # The local models are evaluated before the outer step replaces them with the global one.
-        worker_losses = self._worker_losses(t) if evaluate else None
-        self.pacing.weigh_sync(t)
+        with self.clock.part(TIME.eval_s):
+            worker_losses = self._worker_losses(t) if evaluate else None
         with self._stop_on_non_finite(t):
-            self.workers.params = self.strategy.after_step(self.workers.take_params(), t)
+            self.workers.params = self.strategy.after_step(self.workers.take_params(), t, self.pacing.inputs_at(t))
         self.pacing.after_tick(t, self.compute_s)  # after the sync: the first round's, every worker stepped in it
         self._change_membership(t)
         # With overlap, only the time its overlapped inner steps do not hide counts.
         for row in self.ledger.record(t, self.comm.drain_records(), step_s=self.compute_s / t):
             self._report("on_sync_report", row)
         if tick.losses is not None:
-            self._add_train_losses(tick)
-            self._report("on_train_loss_report", self._train_info(tick))
+            self._report("on_train_loss_report", self.reports.train_report(tick))
         if evaluate:
-            self.evaluate(self._loss_sum / self._loss_count, worker_losses)
-            self._loss_sum, self._loss_count = self._no_train_losses()
+            with self.clock.part(TIME.eval_s):
+                self.evaluate(self.reports.take_train_losses(), worker_losses)
         if t % self.checkpoint_every == 0 or t == c.steps:
-            with self._stop_on_non_finite(t):
+            with self._stop_on_non_finite(t), self.clock.part(TIME.save_s):
                 self.save_checkpoint()
 
     def next_batch(self, members=None):
@@ -352,54 +336,16 @@ class Run:
         members = self.pacing.members(step)
         return losses if members is None else mx.where(mx.array(members), losses, float("nan"))
 
-    def _no_train_losses(self) -> tuple:
-        """Each local worker's (sum, count) of train losses, before any (a worker with none: NaN)."""
-        return mx.zeros((self.comm.n_local,)), mx.zeros((self.comm.n_local,))
-
-    def _add_train_losses(self, tick: Tick):
-        """Count this tick's losses of the workers that are members."""
-        taken = mx.ones((self.comm.n_local,)) if tick.members is None else mx.array(tick.members, mx.float32)
-        self._loss_sum = self._loss_sum + mx.where(taken > 0, tick.losses, 0)
-        self._loss_count = self._loss_count + taken
-
-    def _train_info(self, tick: Tick) -> dict:
-        c = self.config
-        losses = tick.losses if tick.members is None else tick.losses[mx.array(np.flatnonzero(tick.members))]
-        tokens = c.batch_size * (self.data.tokens_per_example() or 1) * losses.size  # (or examples)
-        job = self.pacing.member_count(tick.step)
-        self.tokens_here += tokens
-        trained = self.pacing.active(tick.step) or [True] * self.comm.n_local
-        return {"step": tick.step, "steps": c.steps, "loss": float(losses.mean().item()),
-                "worker_losses": [loss if t else None for loss, t in zip(tick.losses.tolist(), trained)],
-                "tokens_per_s": tokens / tick.seconds, "job_tokens_per_s": tokens * job / losses.size / tick.seconds,
-                "sync_s": self.comm.wait_s, "bytes_sent": self.ledger.bytes_sent, **self.time_spent(),
-                "memory_bytes": mx.get_active_memory(), "memory_limit_bytes": int(c.memory_limit * 1e9) or None}
-
-    def time_spent(self) -> dict:
-        """Where this process's time went (seconds, over the job): computing its workers' inner steps,
-        waiting for the link, waiting for slower workers (comm.py measures both waits); and its model
-        FLOPs utilisation over its wall-clock time (utilisation.py)."""
-        wall = time.time() - self.wall_start
-        rate = self.tokens_here / wall if wall > 0 else None
-        gflops = rate and self.peak_gflops and self.flops_per_token * rate / 1e9
-        if gflops and gflops > self.peak_gflops:  # the peak was measured while other work ran (utilisation.py)
-            self.peak_gflops = peak_gflops(beaten_by=gflops)
-        return {"compute_s": self.compute_s * self.comm.n_local,
-                "link_s": self.waited_s["link_s"] + self.comm.wait_s - self.comm.straggler_s,
-                "straggler_s": self.waited_s["straggler_s"] + self.comm.straggler_s,
-                "mfu": mfu(self.flops_per_token, rate, self.peak_gflops) if rate is not None else None}
-
     # ------------------------------------------------------------ membership
     def _change_membership(self, step: int):
         """Report the workers that leave or join at `step`; joiners take the global model and a
-        member's inner optimizer state (membership.py), and step from the next step. On an elastic
-        cluster a new ring makes the change (`_why_stop`, `_admit_joiners`)."""
+        member's inner optimizer state (membership.py), and step from the next step."""
         changes = self.pacing.changes_between(step - 1, step)
         if self.reporter:
             for change in changes:
                 self.log(change.describe())
         joining = [c.worker for c in changes if c.joined]
-        if joining and not self.stop_requests:
+        if joining and not self.elastic:  # (on an elastic cluster a new ring makes the change)
             self.workers.admit([w in joining for w in self.comm.local_workers], self.global_params(),
                                self._inner_state_of(self.pacing.peer(step)))
 
@@ -411,101 +357,11 @@ class Run:
         row = self.comm.all_gather({"state": buffer}, tag="a joiner's inner optimizer state")["state"][worker]
         return dict(tree_flatten(unflatten(row, shapes)))
 
-    # ------------------------------------------------------------ an elastic cluster's membership changes
-    def _why_stop(self) -> str:
-        """Why this cluster worker saves its state and exits after the step it just took, if it does:
-        a change the schedule plans, or the launcher's request ('' when it goes on)."""
-        t, asked = self.steps_done, self.stop_requests.asked()
-        if self._ring_is_behind():
-            return f"step {t}: the membership schedule changes the ring"
-        if asked.get("stop") == "now":
-            return f"step {t}: stopped by the launcher (a member was lost)"
-        if asked.get("stop") == "at_sync" and t >= asked["after"] and self.pacing.is_sync_point(t):
-            return f"step {t}: stopped by the launcher at a sync point (a machine joins)"
-        return ""
-
-    def _ring_is_behind(self) -> bool:
-        """Whether the schedule plans a change the ring does not hold yet: a join admitted at this step,
-        or a leave at the next."""
-        ring = set(self.job.ring_slots or self.slots)
-        return any((c.worker in ring) != c.joined for c in self.pacing.ring_changes(self.steps_done))
-
     def _meets_peers(self, step: int) -> bool:
         """Whether `step` waits on the other workers: an exchange starts or lands, or an evaluation
         or a checkpoint gathers them."""
         return (self.pacing.exchanges_at(step) or step % self.eval_every == 0 or step == self.config.steps
                 or step % self.checkpoint_every == 0)
-
-    def save_local_state(self):
-        """This worker's own state (weights, moments, data cursor, the global model and outer state,
-        an exchange in flight) on its own disk, with no collective: a peer may be gone. What it resumes
-        from after a membership change, so it keeps the inner steps it took."""
-        if latest_step(self.checkpoint_dir) != self.steps_done:
-            arrays, meta = self.state()
-            checkpoint.save(self.checkpoint_dir, self.steps_done, arrays, meta)  # empties `arrays` as it writes
-
-    def _report_stop(self, why: str):
-        """Tell the launcher (through the progress file its agent reads) where this worker stopped and
-        who the members are from the next step on."""
-        if not self.job.progress:
-            return
-        path = Path(self.job.progress)
-        progress = json.loads(path.read_text()) if path.exists() else {}
-        members = self.pacing.member_slots(self.steps_done + 1)
-        atomic_write_text(path, json.dumps({**progress, "stopped": {"step": self.steps_done, "why": why,
-                                                                    "members": members, "time": time.time()}}))
-
-    def _catch_up(self, joiners: list):
-        """Bring every worker of a new ring to the same round: the joiners, and a worker whose saved
-        state is from before a sync that another's includes (it died after that exchange, before its
-        checkpoint), take the job's state from a member (`_admit_joiners`); else the ring would pair
-        its exchanges with other ones. Every process of the ring takes part."""
-        steps = [int(s) for s in self.comm.gather_metric(mx.full((self.comm.n_local,), self.steps_done))]
-        behind = [slot for slot, step in zip(self.job.ring_slots, steps)
-                  if any(self.pacing.is_sync_point(t) for t in range(step + 1, max(steps) + 1))]
-        for slot, step in zip(self.job.ring_slots, steps):
-            if slot in behind and slot not in joiners and slot in self.slots:
-                self.log(f"worker {slot}'s state (step {step}) is from before a sync the others took: it takes "
-                         "the job's state from a member")
-        if behind or joiners:
-            self._admit_joiners(sorted(set(behind) | set(joiners)))
-
-    def _admit_joiners(self, joiners: list):
-        """Slots joining at this start take, over the ring from the lowest-numbered member (not from
-        any disk: the launching Mac may hold nothing), the global model and outer optimizer state,
-        that member's inner optimizer state, the step and the run's counters; and their shard's cursor
-        where the slot's last worker left it. Every process of the ring takes part."""
-        ring = self.job.ring_slots
-        if self.strategy.own_state:
-            raise ConfigError(f"a worker cannot join a {self.strategy.name} job whose workers each keep "
-                              f"{self.strategy.own_state} of their own; start the job with every worker, or without it")
-        peer = ring.index(min(set(ring) - set(joiners)))
-        clock = {"counts": mx.array([self.steps_done, self.ledger.bytes_sent, self.ledger.peak_bytes], mx.int64),
-                 "seconds": mx.array([self.compute_s, self.ledger.comm_s], mx.float32)}
-        got = self.comm.broadcast({"strategy": self.strategy.state(), "inner": self.workers.optimizer.state,
-                                   "clock": clock}, source=peer)
-        if not set(self.slots) & set(joiners):
-            return
-        sent = sum(v.nbytes for _, v in tree_flatten(got))
-        self.strategy.load_state(got["strategy"])
-        self.workers.optimizer.state = in_order_of(self.workers.optimizer.state, got["inner"])
-        self.workers.admit([True] * self.comm.n_local, self.global_params(), {})
-        self.steps_done, self.ledger.bytes_sent, self.ledger.peak_bytes = got["clock"]["counts"].tolist()
-        self.compute_s, self.ledger.comm_s = got["clock"]["seconds"].tolist()
-        taken = self.pacing.steps_taken(self.steps_done)
-        for sampler, slot in zip(self.samplers, self.data_workers):
-            sampler.seek(taken[slot] * self.config.batch_size)
-        self.log(f"worker {self.slots[0]} joined at step {self.steps_done}, from worker {ring[peer]}'s state "
-                 f"({sent:,} bytes over the ring)")
-
-    def _by_slot(self, values: list) -> list:
-        """One value per slot, NaN where no member is, from one per ring worker (an elastic cluster's)."""
-        if not self.job.ring_slots or values is None:
-            return values
-        out = [float("nan")] * self.config.workers
-        for slot, value in zip(self.job.ring_slots, values):
-            out[slot] = value
-        return out
 
     @contextmanager
     def _stop_on_non_finite(self, step: int):
@@ -531,23 +387,6 @@ class Run:
         return f"its last checkpoint (step {last}) is intact" if last else "no checkpoint was written"
 
     # ------------------------------------------------------------ evaluation and metrics
-    def examples(self) -> int:
-        """Examples (sequences, images, rows) the workers have trained on so far."""
-        return sum(self.examples_per_shard())
-
-    def examples_per_shard(self) -> list:
-        """Examples each worker's shard has given so far."""
-        return [n * self.config.batch_size for n in self.pacing.steps_taken(self.steps_done)]
-
-    def tokens(self):
-        """Tokens the workers have trained on so far; None when the examples are not tokens."""
-        per_example = self.data.tokens_per_example()
-        return None if per_example is None else self.examples() * per_example
-
-    def tokens_per_shard(self):
-        per_example = self.data.tokens_per_example()
-        return None if per_example is None else [n * per_example for n in self.examples_per_shard()]
-
     def global_params(self):
         return self.strategy.global_params(self.workers.params)
 
@@ -555,47 +394,15 @@ class Run:
         """Report a metrics row: the global model's eval loss, and each local model's (taken
         before the outer step, so the rows show how far the workers drifted apart). Every process
         evaluates its workers; the reporter gathers their losses and reports the row."""
-        c, ledger = self.config, self.ledger
         worker_losses = self.comm.gather_metric(worker_losses)
         train_losses = None if train_losses is None else self.comm.gather_metric(train_losses)
         self.peak_memory = self._peak_memory()
-        spent = self._job_time_spent()
-        objective = self.objective.report(self)  # every process: it gathers the workers' values
-        if not self.reporter:
-            return
-        global_loss = self.workers.eval_params(self.global_params(), self.eval_batches)
-        modelled = self.compute_s + ledger.comm_s
-        idle = self.pacing.idle_fraction()
-        self._report("on_val_loss_report", metrics_row(  # (records.py: each key's meaning)
-            step=self.steps_done, outer_step=self.strategy.outer_steps_done(self.steps_done),
-            tokens=self.tokens(), examples=self.examples(),
-            eval_loss=global_loss, eval_loss_workers=self._by_slot(worker_losses),
-            train_loss=None if train_losses is None else mean_of_numbers(train_losses),
-            train_loss_workers=self._by_slot(train_losses),
-            members=self.pacing.member_count(self.steps_done),
-            tokens_per_shard=self.tokens_per_shard(), inner_steps_lost=self.pacing.lost_steps(self.steps_done),
-            membership_changes=[c.row() for c in self.pacing.changes_between(self._last_evaluation(), self.steps_done)],
-            bytes_sent_per_worker=ledger.bytes_sent, peak_exchange_bytes=ledger.peak_bytes,
-            compute_s=self.compute_s, comm_s=ledger.comm_s, modelled_time_s=modelled, sync_wait_s=self.comm.wait_s,
-            utilisation=self.compute_s * (1 - idle) / modelled if modelled else 1.0,
-            idle_fraction=idle, worker_speeds=self.pacing.worker_speeds(),
-            measured_utilisation=spent["busy_s"] / (spent["busy_s"] + spent["link_s"] + spent["straggler_s"])
-            if spent["busy_s"] else 1.0, **spent, flops_per_token=self.flops_per_token, peak_gflops=self.peak_gflops,
-            wall_s=time.time() - self.wall_start, time=time.time(),
-            peak_memory_bytes=int(self.peak_memory * 1e6), workers_per_process=self.comm.n_local,
-            strategy=c.strategy, workers=c.workers, sync_every=self.strategy.sync_every, link=ledger.link.name,
-            strategy_options=self.strategy.options(), objective=c.objective, **objective,
-        ))
-
-    def _job_time_spent(self) -> dict:
-        """Where the processes' time went (the mean over them: "busy_s" their compute) and the job's MFU
-        (the mean of theirs, each against its own peak: on a machine the processes share, the share
-        of the cores it may use)."""
-        spent = self.time_spent()
-        mine = [spent["compute_s"], spent["link_s"], spent["straggler_s"], math.nan if spent["mfu"] is None else spent["mfu"]]
-        every = np.array(self.comm.gather_metric(mx.array([mine] * self.comm.n_local)))
-        busy, link, straggler, mfus = every.mean(axis=0).tolist()
-        return {"busy_s": busy, "link_s": link, "straggler_s": straggler, "mfu": None if math.isnan(mfus) else mfus}
+        spent = self.clock.job_spent()
+        objective = self.objective.report(self.context)  # every process: it gathers the workers' values
+        if self.reporter:
+            global_loss = self.workers.eval_params(self.global_params(), self.eval_batches)
+            self._report("on_val_loss_report", self.reports.row(
+                global_loss, worker_losses, train_losses, spent, self.peak_memory, self._last_evaluation(), objective))
 
     def _last_evaluation(self) -> int:
         """The step of the evaluation before this step's."""
@@ -606,54 +413,41 @@ class Run:
         return max(self.comm.gather_metric(mx.full((self.comm.n_local,), mx.get_peak_memory() / 1e6)))
 
     def summary(self) -> dict:
+        """The run's summary (records.SUMMARY). Every process takes part (its time split gathered)."""
+        spent = self.clock.job_spent()
         rows = MetricsLog.read(self.run_dir / "metrics.jsonl") if self.reporter else []
-        last = rows[-1] if rows else {}
-        # the run's peak: the rows from before a resume hold the peaks of the processes before
-        peak = max([int(self.peak_memory * 1e6)] + [r.get("peak_memory_bytes", 0) for r in rows])
-        return run_summary(
-            run_dir=str(self.run_dir), strategy=self.config.strategy, workers=self.config.workers,
-            steps=self.steps_done, parameters=self.n_params, final_eval_loss=last.get("eval_loss"),
-            tokens=last.get("tokens"), examples=last.get("examples"), tokens_per_shard=self.tokens_per_shard(),
-            examples_per_shard=self.examples_per_shard(), inner_steps_lost=self.pacing.lost_steps(self.steps_done),
-            bytes_sent_per_worker=self.ledger.bytes_sent, peak_exchange_bytes=self.ledger.peak_bytes,
-            compute_s=self.compute_s, modelled_comm_s=self.ledger.comm_s, utilisation=last.get("utilisation"),
-            link=self.ledger.link.describe(),
-            **{k: last.get(k) for k in ("measured_utilisation", "busy_s", "link_s", "straggler_s", "mfu",
-                                        "flops_per_token", "peak_gflops")},
-            peak_memory_bytes=peak, workers_per_process=self.comm.n_local, eval_examples=self.eval_examples,
-            kernels=kernel_paths().describe(self.config.precision), inner_step=self.workers.describe(),
-            **{k: last.get(k) for k in self.objective.summary_keys})
+        return self.reports.summary(self.run_dir, rows, spent, self.peak_memory, self.n_params, self.workers.describe(),
+                                    self.eval_examples, self.objective.summary_keys)
 
     # ------------------------------------------------------------ checkpoints
     def state(self) -> tuple:
         """What a checkpoint keeps of the run, each part's state gathered here: (arrays, meta) in
-        checkpoint.py's schema (run_folder.META)."""
-        spent = self.time_spent()
-        arrays = {"workers": {"params": self.workers.params, "inner": self.workers.optimizer.state},
-                  "strategy": self.strategy.state()}
-        meta = {"config": self.config.to_dict(), "cursors": [s.state() for s in self.samplers],
-                "compute_s": self.compute_s, "worker_speeds": self.pacing.worker_speeds(),
-                "exchanges": self.ledger.state(), "waits_s": {k: spent[k] for k in self.waited_s},
-                "model_preset": self.spec.params if self.spec else None, "vocab_size": self.data.vocab_size,
-                "objective": self.objective.state()}
+        checkpoint.py's schema (records.CHECKPOINT, records.META)."""
+        arrays = SavedArrays(self.workers.params, self.workers.optimizer.state, self.strategy.state()).arrays()
+        meta = {META.config: self.config.to_dict(), META.cursors: [s.state() for s in self.samplers],
+                META.compute_s: self.compute_s, META.worker_speeds: self.pacing.worker_speeds(),
+                META.exchanges: self.ledger.state(), **self.clock.state(),
+                META.model_preset: self.spec.params if self.spec else None, META.vocab_size: self.data.vocab_size,
+                OPTIONAL_META.objective: self.objective.state()}
         if self.job.ring_slots:
-            meta["membership"] = {"ring_slots": self.job.ring_slots,
-                                  "history": self.job.membership or self.config.membership}
+            meta[OPTIONAL_META.membership] = {"ring_slots": self.job.ring_slots,
+                                              "history": self.job.membership or self.config.membership}
         return arrays, meta
 
     def load_state(self, arrays: dict, meta: dict):
-        self.steps_done, self.compute_s = meta["step"], meta["compute_s"]
+        self.steps_done, self.compute_s = meta[META.step], meta[META.compute_s]
         # In the order of the trees they replace: a checkpoint reads back with its keys sorted, and
         # whatever walks a tree in order (SPARTA's flat indices) must find the same parameters.
-        self.workers.params = in_order_of(self.workers.params, arrays["workers"]["params"])
-        self.workers.optimizer.state = in_order_of(self.workers.optimizer.state, arrays["workers"]["inner"])
-        self.strategy.load_state(arrays.get("strategy", {}))
-        for sampler, cursor in zip(self.samplers, meta["cursors"]):
+        saved = SavedArrays.of(arrays)
+        self.workers.params = in_order_of(self.workers.params, saved.params)
+        self.workers.optimizer.state = in_order_of(self.workers.optimizer.state, saved.inner)
+        self.strategy.load_state(saved.strategy)
+        for sampler, cursor in zip(self.samplers, meta[META.cursors]):
             sampler.load_state(cursor)
-        self.pacing.resume_with(meta["worker_speeds"])
-        self.ledger.load_state(meta["exchanges"])
-        self.waited_s = meta.get("waits_s", self.waited_s)
-        self.objective.load_state(meta.get("objective") or {})
+        self.pacing.resume_with(meta[META.worker_speeds])
+        self.ledger.load_state(meta[META.exchanges])
+        self.clock.load_state(meta)
+        self.objective.load_state(meta.get(OPTIONAL_META.objective) or {})
 
     def save_checkpoint(self):
         # Weights not yet exchanged (other fragments', or with an exchange in flight) are checked here:

@@ -9,7 +9,8 @@ import sys
 from ..data.datasets import TEXT_NOTICES
 from ..worker_job import STOPPED_FOR_CHANGE, WorkerJob
 from .processes import exit_with_parent
-from .run import Run, StoppedForChange
+from .elastic import StoppedForChange
+from .run import Run
 
 
 def work(path) -> dict:

@@ -10,9 +10,11 @@ const COLORS = { eval: "#2563eb", train: "#f59e0b" };
 const LINKS = [[/thunderbolt/i, "#7c3aed"], [/ethernet|gbe|data center/i, "#2563eb"], [/wi-?fi/i, "#d97706"]];
 const STATE_COLORS = { training: "#16a34a", syncing: "#2563eb", waiting: "#d97706", starting: "#6b7280",
   restarting: "#7c3aed", failed: "#dc2626", lost: "#991b1b", done: "#374151" };
-// Where a worker's time went (training/run.py's time_spent, the launcher's restarts), in this order.
-const TIME_PARTS = [["compute_s", "compute", "#16a34a"], ["link_s", "the link", "#2563eb"],
-  ["straggler_s", "slower workers", "#f59e0b"], ["restart_s", "restarts", "#7c3aed"]];
+// Where a worker's wall-clock went (training/clock.py's split, records.TIME; a cluster's restarts, the
+// launcher's): the parts and their names as the server sends them (time_parts), coloured in this order.
+let TIME_PARTS = [];
+const TIME_COLORS = ["#9ca3af", "#16a34a", "#0d9488", "#2563eb", "#f59e0b", "#db2777", "#0891b2", "#7c3aed"];
+const COMPUTE = "compute_s";  // the part whose share the page states (data-compute)
 const charts = {};
 let events = [];  // the run's events that the wall-clock chart marks (all but the shards shipped)
 
@@ -89,29 +91,38 @@ function renderRing(run) {
     "the ring in rank order; its links not measured";
 }
 
+// A worker's seconds by part: its own split (time_s), and on a cluster the launcher's restarts.
+function timeOf(w) {
+  const t = Object.assign({}, w.time_s || {});
+  if (w.restart_s) t.restart_s = (t.restart_s || 0) + w.restart_s;
+  return t;
+}
+
 // A bar of the worker's time split as TIME_PARTS, its seconds in the tooltip.
 function timeBar(w) {
-  const total = TIME_PARTS.reduce((a, [key]) => a + (w[key] || 0), 0);
+  const t = timeOf(w), total = TIME_PARTS.reduce((a, [key]) => a + (t[key] || 0), 0);
   if (!total) return "—";
-  const title = TIME_PARTS.map(([key, name]) => `${name} ${seconds(w[key] || 0)}`).join(", ");
-  return el("span", { className: "time", title, "data-compute": (w.compute_s || 0) / total },
-    ...TIME_PARTS.map(([key, , color]) => el("i", { style: `width:${100 * (w[key] || 0) / total}%;background:${color}` })));
+  const title = TIME_PARTS.map(([key, name]) => `${name} ${seconds(t[key] || 0)}`).join(", ");
+  return el("span", { className: "time", title, "data-compute": (t[COMPUTE] || 0) / total },
+    ...TIME_PARTS.map(([key], i) => el("i", { style: `width:${100 * (t[key] || 0) / total}%;background:${TIME_COLORS[i]}` })));
 }
 
 // The job's time: the workers' sums, as shares, and the job's MFU (their mean).
 function renderTimeNote(workers) {
-  const sums = TIME_PARTS.map(([key]) => workers.reduce((a, w) => a + (w[key] || 0), 0));
+  const times = workers.map(timeOf);
+  const sums = TIME_PARTS.map(([key]) => times.reduce((a, t) => a + (t[key] || 0), 0));
   const total = sums.reduce((a, b) => a + b, 0), mfus = workers.filter(w => w.mfu).map(w => w.mfu);
-  const note = document.getElementById("time-note");
+  const note = document.getElementById("time-note"), compute = TIME_PARTS.findIndex(([key]) => key === COMPUTE);
   note.replaceChildren(...(!total ? ["where the time went: no step yet"] : ["all workers:",
-    ...TIME_PARTS.map(([, name, color], i) => el("span", {}, el("span", { className: "key", style: `background:${color}` }),
-      `${name} ${(100 * sums[i] / total).toFixed(1)}%`)),
+    ...TIME_PARTS.map(([, name], i) => sums[i] ? el("span", {}, el("span", { className: "key",
+      style: `background:${TIME_COLORS[i]}` }), `${name} ${(100 * sums[i] / total).toFixed(1)}%`) : null),
     mfus.length ? ` · MFU ${(100 * mfus.reduce((a, b) => a + b, 0) / mfus.length).toFixed(1)}%` : ""]));
-  note.dataset.compute = total ? sums[0] / total : "";
+  note.dataset.compute = total ? sums[compute] / total : "";
 }
 
 function renderWorkers(run) {
   const workers = (run.status || {}).workers || [];
+  TIME_PARTS = run.time_parts || TIME_PARTS;
   renderTimeNote(workers);
   const rows = workers.map(w => {
     const memory = w.memory_bytes ? el("span", {},

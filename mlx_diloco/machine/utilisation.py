@@ -11,7 +11,8 @@ in a small cache so runs do not measure it while they train. A measurement taken
 runs reads low, and a low peak makes an MFU above 100%: the cache keeps the best measurement, and a
 run whose own rate beats the kept peak measures it again and keeps the best of the two and its rate.
 
-MLX-free at import (MLX imported on call): `plan` and the launcher use the formulas.
+MLX-free at import (MLX imported on call): `plan` and the launcher use the formulas. And when this
+process started, the wall-clock a run's time split divides (training/clock.py).
 """
 
 import json
@@ -20,7 +21,21 @@ import platform
 import time
 from pathlib import Path
 
-from .atomic import atomic_write_text
+from ..atomic import atomic_write_text
+
+_IMPORTED_AT = time.time()
+
+
+def process_start() -> float:
+    """When this process started (Unix time): the kernel's count on Linux (10 ms ticks); elsewhere (macOS)
+    when this module was first imported (the interpreter's start and the imports before it, about a
+    second, go uncounted)."""
+    try:
+        since_boot = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return min(time.time() - (uptime - since_boot), _IMPORTED_AT)
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED_AT
 
 
 def flops_per_token(shape, seq_len: int, tied_head: bool = True):
@@ -56,7 +71,7 @@ def matmul_gflops(n: int = 1024, repeats: int = 10) -> float:
 
 
 def _cache_path() -> Path:
-    from .data.datasets import cache_root  # ~/.cache/mlx-diloco, or $MLX_DILOCO_CACHE
+    from ..data.datasets import cache_root  # ~/.cache/mlx-diloco, or $MLX_DILOCO_CACHE
     return cache_root() / "peak-gflops.json"
 
 

@@ -15,7 +15,7 @@ time   a tick lasts as long as the fastest worker's step, and each worker steps 
 import math
 from dataclasses import dataclass
 
-from .options import ConfigError
+from ..options import ConfigError
 
 POLICIES = ("fixed", "time")
 

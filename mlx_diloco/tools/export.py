@@ -5,20 +5,21 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .config import ConfigError, TrainConfig
-from .models import adapters
-from .models.zoo import ModelSpec, build_model, load_spec
-from .strategies import make_strategy
-from .training import checkpoint
+from ..config import ConfigError, TrainConfig
+from ..models import adapters
+from ..models.zoo import ModelSpec, build_model, load_spec
+from ..records import META, SavedArrays
+from ..strategies import make_strategy
+from ..training import checkpoint
 
 
 def load_trained_model(run_dir):
     """(model with the global parameters, its ModelSpec, the run's tokenizer folder or None)."""
     run_dir = Path(run_dir)
     arrays, meta = checkpoint.load(run_dir)
-    spec = ModelSpec(meta["config"]["model"], meta["model_preset"])
+    spec = ModelSpec(meta[META.config]["model"], meta[META.model_preset])
     if spec.type == "mlx-lm":  # the base model's folder on this machine (a hub name: in its own cache)
-        spec.path = load_spec(meta["config"]["model"]).path
+        spec.path = load_spec(meta[META.config]["model"]).path
     model = build_model(spec)
     model.update(global_parameters(model, arrays, meta))
     mx.eval(model.parameters())
@@ -37,9 +38,9 @@ def trained_model(run_dir):
 def global_parameters(model, arrays: dict, meta: dict) -> dict:
     """The global model a checkpoint holds, in the dtypes of `model`'s parameters, as the run's
     strategy (built from the checkpoint's config) reads it from the checkpoint's arrays."""
-    config = TrainConfig.from_dict(meta["config"])
+    config = TrainConfig.from_dict(meta[META.config])
     strategy = make_strategy(config.strategy, config.strategy_options)
-    return strategy.global_from_state(model.trainable_parameters(), arrays)
+    return strategy.global_from_state(model.trainable_parameters(), SavedArrays.of(arrays))
 
 
 def export_mlx_lm(run_dir, out_dir, fuse: bool = False) -> Path:

@@ -3,9 +3,9 @@
 import os
 import platform
 import sys
-from . import __version__, blas
-from .cluster import hostinfo
-from .utilisation import matmul_gflops, peak_gflops
+from .. import __version__, blas
+from ..cluster import hostinfo
+from ..machine.utilisation import matmul_gflops, peak_gflops
 
 
 def report() -> list:
@@ -33,10 +33,10 @@ def report() -> list:
 def preset_lines() -> list:
     """Which model presets one worker can train here (plan's memory estimate; language models at
     batch 4 x 512 tokens, image models at batch 4; a quantized preset's LoRA adapters)."""
-    from .config import TrainConfig
-    from .memory import GB, MemoryOptions, estimate, flags, make_it_fit, trained_shape
-    from .models.zoo import load_spec, preset_names
-    from .strategies import make_strategy
+    from ..config import TrainConfig
+    from ..machine.memory import GB, MemoryOptions, estimate, flags, make_it_fit, trained_shape
+    from ..models.zoo import load_spec, preset_names
+    from ..strategies import make_strategy
     budget = hostinfo.training_memory()
     strategy = make_strategy(TrainConfig.strategy, {})  # sim's, with its defaults
     as_is, changed, too_large = [], [], []

@@ -4,14 +4,16 @@ import json
 import math
 from pathlib import Path
 
-from .config import ConfigError
-from .training.metrics import MetricsLog
+from ..config import ConfigError
+from ..objectives.kinds import DEFAULT, kind
+from ..records import ROW
+from ..training.metrics import MetricsLog
 
 
 def label(strategy: str, options: dict, config: dict) -> str:
     """A short name for a run: the strategy's label (what its options set apart), its pacing and
     membership schedule, and its objective where it is not SFT."""
-    from .strategies import make_strategy  # on call: the strategies import MLX
+    from ..strategies import make_strategy  # on call: the strategies import MLX
     try:
         parts = [make_strategy(strategy, options).label()]
     except ConfigError:  # a strategy this process has not registered (a user's own): its name
@@ -20,8 +22,8 @@ def label(strategy: str, options: dict, config: dict) -> str:
         parts.append(f"{config.get('speed_policy', 'fixed')}-paced")
     if config.get("membership"):
         parts.append(f"members {config['membership']}")
-    if config.get("objective", "sft") != "sft":  # post-training (objectives/)
-        parts.append(config["objective"])
+    if kind(objective := config.get("objective", DEFAULT)).post_training:  # (objectives/)
+        parts.append(objective)
     return " ".join(parts)
 
 
@@ -30,16 +32,16 @@ def run_label(rows, path) -> str:
     r = rows[-1]
     config_file = Path(path) / "config.json" if Path(path).is_dir() else Path(path).parent / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    strategy, *rest = label(r["strategy"], r.get("strategy_options") or {}, config).split(" ", 1)
-    return " ".join([f"{strategy} x{r['workers']}", *rest, f"({Path(path).name})"])
+    strategy, *rest = label(r[ROW.strategy], r.get(ROW.strategy_options) or {}, config).split(" ", 1)
+    return " ".join([f"{strategy} x{r[ROW.workers]}", *rest, f"({Path(path).name})"])
 
 
 def amount_axis(runs) -> tuple:
     """(metrics key, axis name) of what the runs trained on: tokens, or examples (images, rows)
     when a run's data is not tokens."""
-    if all(r.get("tokens") is not None for _, rows in runs for r in rows):
-        return "tokens", "tokens (all workers)"
-    return "examples", "examples (all workers; the data is not tokens)"
+    if all(r.get(ROW.tokens) is not None for _, rows in runs for r in rows):
+        return ROW.tokens, "tokens (all workers)"
+    return ROW.examples, "examples (all workers; the data is not tokens)"
 
 
 def plot_runs(run_dirs, out: Path, title: str = None) -> Path:
@@ -56,8 +58,8 @@ def plot_runs(run_dirs, out: Path, title: str = None) -> Path:
         runs.append((d, MetricsLog.read(path)))
         if not runs[-1][1]:
             raise ConfigError(f"{path} holds no metrics yet; pass runs that have evaluated once")
-    axes_keys = [("step", "inner steps"), amount_axis(runs), ("modelled_time_s", "modelled time (s)"),
-                 ("bytes_sent_per_worker", "bytes sent per worker")]
+    axes_keys = [(ROW.step, "inner steps"), amount_axis(runs), (ROW.modelled_time_s, "modelled time (s)"),
+                 (ROW.bytes_sent_per_worker, "bytes sent per worker")]
     panels = [(key, name) for key, name in OBJECTIVE_PANELS if any(value_of(r, key) is not None
                                                                    for _, rows in runs for r in rows)]
     grid = 1 + -(-len(panels) // len(axes_keys))  # the eval loss's row, then the objective's metrics
@@ -76,18 +78,20 @@ def plot_runs(run_dirs, out: Path, title: str = None) -> Path:
 
 
 # Post-training's metrics (objectives/), each against inner steps, where a run has them.
+GENERATE_SHARE = "generate_share"  # worked out from two of a row's keys (value_of)
 OBJECTIVE_PANELS = [
-    ("eval_accuracy", "held-out accuracy (greedy, global model)"), ("reward", "reward (mean since the last evaluation)"),
-    ("kl", "KL to the reference"), ("frac_reward_zero_std", "share of groups with no advantage"),
-    ("completion_length", "completion length (tokens)"), ("generate_share", "share of the step time generating"),
-    ("eval_pair_accuracy", "held-out pairs: chosen more likely"), ("eval_reward_accuracy", "held-out pairs: DPO reward accuracy"),
-    ("eval_reward_margin", "held-out pairs: DPO reward margin")]
+    (ROW.eval_accuracy, "held-out accuracy (greedy, global model)"), (ROW.reward, "reward (mean since the last evaluation)"),
+    (ROW.kl, "KL to the reference"), (ROW.frac_reward_zero_std, "share of groups with no advantage"),
+    (ROW.completion_length, "completion length (tokens)"), (GENERATE_SHARE, "share of the step time generating"),
+    (ROW.eval_pair_accuracy, "held-out pairs: chosen more likely"),
+    (ROW.eval_reward_accuracy, "held-out pairs: DPO reward accuracy"),
+    (ROW.eval_reward_margin, "held-out pairs: DPO reward margin")]
 
 
 def value_of(row: dict, key: str):
     """A metrics row's value of `key`; generate_share: the time generating over generating and training."""
-    if key == "generate_share":
-        generating, training = row.get("generate_s"), row.get("train_s")
+    if key == GENERATE_SHARE:
+        generating, training = row.get(ROW.generate_s), row.get(ROW.train_s)
         return generating / (generating + training) if generating is not None and generating + training > 0 else None
     return row.get(key)
 
@@ -95,7 +99,7 @@ def value_of(row: dict, key: str):
 def metric_curves(ax, curves, key: str, name: str):
     """Metric `key` against inner steps, one curve per (label, metrics rows), where the rows have it."""
     for i, (label_of_run, rows) in enumerate(curves):  # each run the colour it has in the loss panels
-        points = [(r["step"], v) for r in rows if (v := value_of(r, key)) is not None]
+        points = [(r[ROW.step], v) for r in rows if (v := value_of(r, key)) is not None]
         if points:
             ax.plot(*zip(*points), marker=".", label=label_of_run, color=run_colour(i),
                     linestyle="-" if i < colours() else "--")
@@ -104,7 +108,7 @@ def metric_curves(ax, curves, key: str, name: str):
     ax.grid(alpha=0.3)
 
 
-def loss_curves(ax, curves, key: str, name: str, metric: str = "eval_loss"):
+def loss_curves(ax, curves, key: str, name: str, metric: str = ROW.eval_loss):
     """Eval loss (or another `metric`) against metrics `key` (axis label `name`), one curve per (label,
     metrics rows); modelled time and bytes get a spread axis (they span decades from 0)."""
     for i, (name_of_run, rows) in enumerate(curves):  # once the colours come round again, dashed lines
@@ -112,7 +116,7 @@ def loss_curves(ax, curves, key: str, name: str, metric: str = "eval_loss"):
                 color=run_colour(i), linestyle="-" if i < colours() else "--")
     ax.set_xlabel(name)
     ax.grid(alpha=0.3)
-    if key in ("modelled_time_s", "bytes_sent_per_worker"):
+    if key in (ROW.modelled_time_s, ROW.bytes_sent_per_worker):
         spread_axis(ax, [r[key] for _, rows in curves for r in rows])
 
 

@@ -4,16 +4,16 @@ codec, number of fragments (Streaming DiLoCo) and overlap; with --model, memory 
 
 from dataclasses import replace
 
-from .cluster import hostinfo
-from .config import DEFAULT_MAX_SEQ_LEN, TrainConfig
-from .exchange.codecs import get_codec
-from .exchange.comm import exchange_plan
-from .exchange.network import LINKS, Link, exchange_time, parse_link
-from .memory import (GB, GPU_SHARE, MAC_MEMORY_GB, MemoryOptions, estimate, flags, macs_it_fits, make_it_fit,
+from ..cluster import hostinfo
+from ..config import DEFAULT_MAX_SEQ_LEN, TrainConfig
+from ..exchange.codecs import get_codec
+from ..exchange.comm import exchange_plan
+from ..exchange.network import LINKS, Link, exchange_time, parse_link
+from ..machine.memory import (GB, GPU_SHARE, MAC_MEMORY_GB, MemoryOptions, estimate, flags, macs_it_fits, make_it_fit,
                      on_this_machine, trained_shape)
-from .strategies import make_strategy
-from .sync_period import EXPOSED_BUDGET, SyncCost, choose_sync_every
-from .training.metrics import human_bytes
+from ..schedules.sync_period import EXPOSED_BUDGET, SyncCost, choose_sync_every
+from ..strategies import make_strategy
+from ..training.metrics import human_bytes
 
 # plan's flags are config keys and DiLoCo's options (their help from their fields, cli.py), with
 # what-if defaults of its own where sim's would not say much: a pair of machines, a large H, and
@@ -37,7 +37,7 @@ def plan(params: float, codec: str, workers: int, sync_every: int, step_time: fl
         sync = exchange_time(hops, sent, link) if workers > 1 else 0.0
         fragment = exchange_time(frag_hops, frag_sent, link) if workers > 1 else 0.0
         exposed = fragments * max(0.0, fragment - overlap_steps * step_time)  # per H steps
-        row = {"link": link.describe(), "sync_s": sync, "fragment_s": fragment,
+        row = {"link": link.describe(), "exchange_s": sync, "fragment_s": fragment,
                "ddp_util": step_time / (step_time + sync),
                "diloco_util": sync_every * step_time / (sync_every * step_time + exposed),
                "auto_h": choose_sync_every(SyncCost(fragment, step_time, fragments, overlap_steps), overlap_steps + 1)}
@@ -97,7 +97,7 @@ def print_plan(given: dict, model: str = None, params: float = None, links: list
         params = (shape.trainable if adapters else shape.parameters) if shape else 7e9
     links = [l if isinstance(l, Link) else parse_link(l) for l in links] if links else list(LINKS.values())
     options, workers, step_time, H = strategy.options(), config.workers, config.step_time, strategy.sync_every
-    P, tau = options["fragments"], options["overlap_steps"]
+    P, tau = strategy.sync_pieces, strategy.schedule.delay
     rows = plan(params, options["compress"], workers, H, step_time, links, total_steps, P, tau)
     codec = get_codec(options["compress"])
     algorithm, _, payload, sent = exchange_plan(codec, int(params), workers)
@@ -119,7 +119,7 @@ def print_plan(given: dict, model: str = None, params: float = None, links: list
         head += f" {'outer steps':>11} {'single':>11} {'DDP':>11} {'DiLoCo':>11}"
     print(head)
     for r in rows:
-        line = (f"{r['link']:34} {format_duration(r['sync_s']):>11} {format_duration(r['fragment_s']):>11} "
+        line = (f"{r['link']:34} {format_duration(r['exchange_s']):>11} {format_duration(r['fragment_s']):>11} "
                 f"{r['ddp_util']:>9.1%} {r['diloco_util']:>12.1%} {r['auto_h']:>7}")
         if total_steps:
             line += f" {total_steps / workers / r['auto_h']:>11.0f}"

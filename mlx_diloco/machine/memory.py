@@ -21,7 +21,7 @@ prints the estimate beside the measurement). MLX-free at import: `plan` prints t
 `doctor` and the launcher use them. The strategy is asked what it keeps, never named.
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 GB = 1e9
 MAC_MEMORY_GB = (16, 24, 32, 64)  # the Macs people pool
@@ -55,7 +55,7 @@ def model_shape(params: dict, parameters: int) -> Shape:
                  attention_copies=3 if "n_head" in params else 1)
 
 
-# The options `make_it_fit` may turn, as flags: config keys, and the strategy's options of these names.
+# The choices `make_it_fit` may turn, as flags: config keys, and the strategy's own (`memory_savings`).
 SETTINGS = ("batch_size", "seq_len", "precision", "moments_precision", "grad_checkpoint", "offload_outer",
             "fragments")
 
@@ -68,20 +68,19 @@ class MemoryOptions:
     precision: str
     moments_precision: str
     grad_checkpoint: bool
-    offload_outer: bool      # the strategy's option (False where it has none)
-    fragments: int           # the strategy's option: P fragments synced one at a time (1 where it has none)
+    offload_outer: bool      # the strategy keeps its outer state in files between syncs (offloads_outer)
+    fragments: int           # it syncs the model in this many pieces, one at a time (sync_pieces)
     outer_copies: int        # model-sized fp32 arrays the strategy keeps between syncs, unless offloaded
     worker_copies: int       # and those each worker keeps of its own (an error-feedback buffer)
     periodic: bool           # it syncs every H steps: a sync's buffers, and a global model to evaluate
-    strategy_options: tuple  # the names of its options: which of offload_outer, fragments it can turn
+    strategy: object = field(default=None, repr=False, compare=False)  # asked what of its own it can turn
 
     @classmethod
     def of(cls, config, strategy) -> "MemoryOptions":
         """The options of a TrainConfig (its seq-len resolved) and the strategy built from it."""
-        options = strategy.options()
         return cls(config.batch_size, config.seq_len, config.precision, config.moments_precision,
-                   config.grad_checkpoint, options.get("offload_outer", False), options.get("fragments", 1),
-                   strategy.outer_copies, strategy.worker_copies, strategy.sync_every > 0, tuple(options))
+                   config.grad_checkpoint, strategy.offloads_outer, strategy.sync_pieces,
+                   strategy.outer_copies, strategy.worker_copies, strategy.sync_every > 0, strategy)
 
     def describe(self) -> str:
         parts = [f"batch {self.batch_size} x {self.seq_len}", self.precision]
@@ -146,15 +145,11 @@ def macs_it_fits(total_bytes: float) -> list:
 
 def shrinking(shape: Shape, o: MemoryOptions) -> list:
     """What makes a job smaller, in the order worth trying: bf16, checkpointing and offloading
-    leave the loss as it is, Streaming DiLoCo's fragments (two blocks each) shrink the sync and did
-    better than DiLoCo in our runs, bf16 moments cost a little (docs/memory.md). Offloading and
-    fragments where the strategy has them as options."""
-    changes = [("precision", "bf16"), ("grad_checkpoint", True)]
-    if "offload_outer" in o.strategy_options:
-        changes.append(("offload_outer", True))
-    if "fragments" in o.strategy_options:
-        changes.append(("fragments", max(shape.blocks // 2, o.fragments, 1)))
-    return changes + [("moments_precision", "bf16")]
+    leave the loss as it is, the strategy's own (Streaming DiLoCo's fragments of two blocks each
+    shrink the sync and did better than DiLoCo in our runs), bf16 moments cost a little
+    (docs/memory.md)."""
+    own = o.strategy.memory_savings(shape.blocks) if o.strategy is not None else []
+    return [("precision", "bf16"), ("grad_checkpoint", True), *own, ("moments_precision", "bf16")]
 
 
 def make_it_fit(shape: Shape, o: MemoryOptions, budget: float):
@@ -187,8 +182,8 @@ def trained_shape(config):
     trains, and the frozen base's bytes; a quantized base refused for full fine-tuning), without
     allocating the weights (MLX imported on call)."""
     from mlx.utils import tree_flatten
-    from .models.finetune import ADAPTER_TYPES, apply_fine_tune, frozen_bytes, is_quantized, trainable_count
-    from .models.zoo import build_model, count_parameters, load_spec
+    from ..models.finetune import ADAPTER_TYPES, apply_fine_tune, frozen_bytes, is_quantized, trainable_count
+    from ..models.zoo import build_model, count_parameters, load_spec
     spec = load_spec(config.model)
     model = build_model(spec, lazy=True)
     built = sum(v.nbytes for _, v in tree_flatten(model.parameters()))

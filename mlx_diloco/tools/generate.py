@@ -5,11 +5,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .config import ConfigError
-from .data.datasets import EMBEDDED, Tokenizer
-from .data.hf_tokenizer import hf_tokenizer
+from ..config import ConfigError
+from ..data.datasets import EMBEDDED, Tokenizer
+from ..data.hf_tokenizer import hf_tokenizer
 from .export import load_trained_model
-from .models import adapters
+from ..models import adapters
 
 SHAKESPEARE_PROMPT = "ROMEO:"  # how a speech of the embedded corpus begins
 

@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from .options import ConfigError
+from ..options import ConfigError
 from .schedule import SyncSchedule
 
 EXAMPLE = "0:4,300:3,600:4"
