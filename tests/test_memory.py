@@ -308,3 +308,23 @@ def test_a_quantized_preset_is_built_as_mlx_lm_loads_a_quantized_folder_and_trai
     (tmp_path / "bad.json").write_text(json.dumps({**tiny, "quantization": {"bits": 4}}))
     with pytest.raises(ConfigError, match=r"quantization must be as mlx-lm's config.json has it, e.g. \{\"group_size\""):
         load_spec(str(tmp_path / "bad.json"))
+
+
+def test_post_training_adds_its_reference_its_pairs_and_its_rollouts():
+    """plan's memory of DPO and GRPO (issue 46): a pair is two sequences; DPO and GRPO keep the
+    starting policy (a copy of what trains: the whole model under full fine-tuning, the adapters
+    under LoRA); GRPO's rollouts hold a group of sequences' keys and values between steps."""
+    from mlx_diloco.machine.memory import estimate, trained_shape
+    from mlx_diloco.strategies import DiLoCo
+
+    def parts(**keys):
+        config = TrainConfig(model="llama-tiny", batch_size=4, seq_len=64, **keys)
+        return estimate(trained_shape(config)[1], MemoryOptions.of(config, DiLoCo()))
+    sft, dpo, orpo = parts(), parts(objective="dpo"), parts(objective="orpo")
+    assert dpo["activations"] == 2 * sft["activations"] == orpo["activations"]
+    assert sft["reference"] == orpo["reference"] == 0 and dpo["reference"] == sft["weights"]  # fp32: 4 bytes a value
+    lora = parts(objective="dpo", fine_tune_type="lora")
+    assert 0 < lora["reference"] == lora["gradients"] < dpo["reference"] / 2
+    grpo8, grpo16 = parts(objective="grpo", group_size=8), parts(objective="grpo", group_size=16)
+    assert grpo8["rollouts"] > 0 == sft["rollouts"] and grpo16["rollouts"] == pytest.approx(2 * grpo8["rollouts"], rel=1e-6)
+    assert grpo16["total"] > grpo8["total"] > sft["total"]

@@ -89,7 +89,8 @@ PROBLEMS = {p.name: p for p in [
     Problem("addition-dpo",
             "DPO on 2-3 digit addition (the right sum chosen, a near miss rejected) from the same SFT start, "
             "4 laptops on Wi-Fi",
-            dict(_ADDITION, data="addition/dpo", objective="dpo", steps=100, batch_size=16, eval_sequences=256),
+            dict(_ADDITION, data="addition/dpo", objective="dpo", steps=100, batch_size=16, eval_sequences=256,
+                 lr=3e-4, rpo_alpha=1.0),
             target_loss=None, task=addition("dpo")),
 ]}
 

@@ -23,6 +23,8 @@ prints the estimate beside the measurement). MLX-free at import: `plan` prints t
 
 from dataclasses import dataclass, field, replace
 
+from ..objectives.kinds import kind
+
 GB = 1e9
 MAC_MEMORY_GB = (16, 24, 32, 64)  # the Macs people pool
 # macOS lets the GPU wire about this share of a Mac's memory (MLX's recommended working set:
@@ -74,13 +76,21 @@ class MemoryOptions:
     worker_copies: int       # and those each worker keeps of its own (an error-feedback buffer)
     periodic: bool           # it syncs every H steps: a sync's buffers, and a global model to evaluate
     strategy: object = field(default=None, repr=False, compare=False)  # asked what of its own it can turn
+    rows_per_example: int = 1   # the objective's sequences per example: DPO's pair 2, GRPO's group (objectives/kinds.py)
+    reference: bool = False     # the objective keeps the starting policy (DPO, GRPO): a copy of what trains
+    rollout_tokens: int = 0     # GRPO: the tokens one worker's rollouts hold at once (prompts and completions)
 
     @classmethod
     def of(cls, config, strategy) -> "MemoryOptions":
         """The options of a TrainConfig (its seq-len resolved) and the strategy built from it."""
+        objective = kind(config.objective)
+        rows = objective.rows_per_example(config)
+        rollouts = config.batch_size * rows * (config.seq_len + config.max_completion_length) \
+            if objective.data == "prompts" else 0
         return cls(config.batch_size, config.seq_len, config.precision, config.moments_precision,
                    config.grad_checkpoint, strategy.offloads_outer, strategy.sync_pieces,
-                   strategy.outer_copies, strategy.worker_copies, strategy.sync_every > 0, strategy)
+                   strategy.outer_copies, strategy.worker_copies, strategy.sync_every > 0, strategy,
+                   rows, objective.reference, rollouts)
 
     def describe(self) -> str:
         parts = [f"batch {self.batch_size} x {self.seq_len}", self.precision]
@@ -95,7 +105,7 @@ def estimate(shape: Shape, o: MemoryOptions, workers: int = 1) -> dict:
     frozen = (shape.frozen_bytes or {}).get(o.precision, 0)  # one copy, whatever the replicas
     P = P if shape.trainable is None else shape.trainable   # from here on: what trains
     m = 2 if o.moments_precision == "bf16" else 4
-    tokens = o.batch_size * max(o.seq_len, 1)
+    tokens = o.batch_size * o.rows_per_example * max(o.seq_len, 1)
     # Activations, fitted to MLX's peaks on the CPU (bench/memory.py): per block and token the
     # backward pass keeps ~5 hidden-size, 3 MLP-width values and 1-3 attention rows in fp32 (bf16
     # on the CPU adds ~30%: the fp32 copies its matrix multiplies make); the loss ~18-22 bytes per
@@ -129,13 +139,20 @@ def estimate(shape: Shape, o: MemoryOptions, workers: int = 1) -> dict:
         # the training precision (measured: llama-1b, LoRA in bf16, 2 x 256: 4.65 GB then, its fp32
         # weights and a forward pass; 3.2 GB at most after, checkpointed)
         "as built": shape.built_bytes,
+        # DPO and GRPO compare with the policy they started from: the starting values of what trains
+        # (under LoRA the fresh adapters, the base itself being the reference: objectives/base.Reference)
+        "reference": P * w if o.reference else 0,
+        # GRPO's rollouts, one worker's at a time between steps: the KV cache (keys and values of each
+        # block, a hidden-size each per token) and the sampled position's logits
+        "rollouts": int(o.rollout_tokens * shape.blocks * 2 * shape.hidden * w
+                        + o.rollout_tokens / max(o.seq_len, 1) * shape.vocab * 4) if o.rollout_tokens else 0,
     }
     # The sync and the evaluations happen between steps: the gradients and activations are gone.
-    step_peak = sum(v for k, v in parts.items() if k not in ("sync", "evaluation", "as built"))
+    step_peak = sum(v for k, v in parts.items() if k not in ("sync", "evaluation", "as built", "rollouts"))
     between_steps = step_peak - parts["gradients"] - parts["activations"]
     first_evaluation = RUNTIME_BYTES + parts["as built"] + 12 * logits
     return {**parts, "total": max(step_peak, between_steps + parts["sync"], between_steps + parts["evaluation"],
-                                  first_evaluation)}
+                                  between_steps + parts["rollouts"], first_evaluation)}
 
 
 def macs_it_fits(total_bytes: float) -> list:

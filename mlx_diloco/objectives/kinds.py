@@ -15,11 +15,16 @@ class Kind:
     module: str      # objectives/MODULE.py holds its class
     cls: str         # the class's name there
     data: str        # what it trains on: "text" (the data's next tokens), "pairs" (preferences), "prompts"
+    reference: bool = False   # it keeps the starting policy to compare with (a frozen copy of what trains)
 
     @property
     def post_training(self) -> bool:
         """It trains on post-training data (pairs or prompts, data/post_training.py), not on text."""
         return self.data != "text"
+
+    def rows_per_example(self, config) -> int:
+        """Sequences a step trains per example of its batch: a pair's two, a prompt's group, one text."""
+        return {"pairs": 2, "prompts": config.group_size}.get(self.data, 1)
 
     @property
     def takes_a_loss(self) -> bool:
@@ -29,9 +34,9 @@ class Kind:
 
 OBJECTIVES = {k.name: k for k in (
     Kind("sft", "base", "Objective", "text"),
-    Kind("dpo", "dpo", "DPO", "pairs"),
+    Kind("dpo", "dpo", "DPO", "pairs", reference=True),
     Kind("orpo", "orpo", "ORPO", "pairs"),
-    Kind("grpo", "grpo", "GRPO", "prompts"),
+    Kind("grpo", "grpo", "GRPO", "prompts", reference=True),  # its KL term, and the KL it reports
 )}
 DEFAULT = "sft"
 

@@ -21,7 +21,7 @@ from ..training.metrics import human_bytes
 STRATEGY = "diloco"  # plan's columns set DDP beside (Streaming) DiLoCo
 FLAGS = ("batch_size", "seq_len", "precision", "moments_precision", "grad_checkpoint", "offload_outer",
          "compress", "fragments", "overlap_steps", "workers", "sync_every", "step_time",
-         "fine_tune_type", "num_layers", "lora_rank")
+         "fine_tune_type", "num_layers", "lora_rank", "objective", "group_size", "max_completion_length")
 WHAT_IF = {"workers": 2, "sync_every": 500, "step_time": 60.0}
 
 
