@@ -605,7 +605,8 @@ def main(argv=None):
     ensure_fast_blas(None if argv is None else ["-m", "mlx_diloco", *argv])
     command = (sys.argv[1:] if argv is None else argv)[:1]
     args = build_parser(config_flags=command in (["sim"], ["launch"], ["gym"], ["sweep"], ["plan"])).parse_args(argv)
-    if threading.current_thread() is threading.main_thread():  # (the agent sets its own)
+    # (not in a process another program starts and kills, nor the agent, which has its own)
+    if command not in (["worker"], ["linktest"], ["agent"]) and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_sigterm)
     try:
         args.func(args)
