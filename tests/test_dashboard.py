@@ -19,7 +19,7 @@ import pytest
 
 from mlx_diloco.cluster.emulated import SECRET, EmulatedCluster, can_build
 from mlx_diloco.config import ConfigError
-from mlx_diloco.dashboard.server import DEFAULT_PORT, Dashboard, parse_where, snapshot, token_for
+from mlx_diloco.dashboard.server import DEFAULT_PORT, IDLE_S, MAX_CONNECTIONS, Dashboard, parse_where, snapshot, token_for
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 no_browser = "" if CHROMIUM.exists() and CHROMEDRIVER.exists() else \
@@ -306,16 +306,26 @@ def test_idle_connections_without_the_token_do_not_starve_the_page(browser, tmp_
             sock.settimeout(30)
             sock.connect(("127.0.0.1", port))
             idle.append(sock)
+        # Past 64 unproven connections the oldest is closed: a burst accepted at once closed only the same
+        # one, and the rest held a file each (issue 43) until accept failed (EMFILE, then a second's pause
+        # for each of the page's connections: its first load took 4-6 s).
+        files = lambda: len(os.listdir(f"/proc/{served.pid}/fd"))  # noqa: E731
+        deadline = time.time() + IDLE_S / 2  # (after IDLE_S, the idle ones time out)
+        while files() > MAX_CONNECTIONS + 16 and time.time() < deadline:
+            time.sleep(0.1)
+        assert files() <= MAX_CONNECTIONS + 16, files()
         browser.set_page_load_timeout(30)
-        loaded = 0
+        loaded, first = 0, time.time()
         for _ in range(10):
             browser.get(url)
             watch(browser, lambda s: s["finished"] and s["points"] == 4, timeout=30)
             loaded += 1
+            first = time.time() - first if loaded == 1 else first
         cpu, window = cpu_seconds(served.pid) - cpu_before, time.time() - began
-        print(f"\n250 idle connections: {loaded} of 10 pages loaded; the dashboard used {cpu:.2f} CPU-seconds "
-              f"in {window:.1f} s")
+        print(f"\n250 idle connections: {loaded} of 10 pages loaded, the first in {first:.1f} s; the dashboard used "
+              f"{cpu:.2f} CPU-seconds in {window:.1f} s")
         assert loaded == 10 and cpu < 0.1 * window, (cpu, window)
+        assert "Too many open files" not in (tmp_path / "dashboard.log").read_text()
         for sock in idle:  # each closed by the dashboard: pushed out by newer ones, or after its idle time
             assert sock.recv(1) == b""
         for request in (b"GARBAGE\r\n\r\n", b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\n\r\n"):  # answered 400, quietly

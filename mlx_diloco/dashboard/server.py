@@ -19,8 +19,9 @@ Served by aiohttp (its low-level server, on an event loop of its own): no thread
 connection has IDLE_S to send a request and between two (aiohttp >= 3.14.4 also times out one that
 never sends any), and an answer without the token closes its connection. Past MAX_CONNECTIONS not
 yet served an allowed request, a new one closes the oldest of them: a flood of idle connections from
-a peer without the token cannot lock the page out, even under macOS's 256 open files. Out of file
-descriptors, asyncio waits a second before it accepts again (no busy loop).
+a peer without the token cannot lock the page out, even under macOS's 256 open files. Connections are
+accepted ACCEPT_BATCH a turn, so that a flood never runs the process out of file descriptors; were it
+to, asyncio waits a second before it accepts again (no busy loop).
 """
 
 import asyncio
@@ -59,6 +60,7 @@ MAX_ROWS = 20_000                           # of each log, the newest
 IDLE_S = 5.0            # a connection's time to send a request, and between two (the page asks every second)
 MAX_CONNECTIONS = 64    # open connections not yet served an allowed request (macOS gives a process 256 files)
 BACKLOG = 128           # connections the system queues for accept
+ACCEPT_BATCH = 32       # connections accepted per turn of the event loop
 log = logging.getLogger("mlx_diloco.dashboard")
 HTTP_LOG = logging.getLogger("mlx_diloco.dashboard.http")  # aiohttp's own: errors in serving a request
 
@@ -196,7 +198,11 @@ class Dashboard:
 
     async def _start(self, sock: socket.socket):
         await self.runner.setup()
-        await web.SockSite(self.runner, sock, backlog=BACKLOG).start()
+        # asyncio accepts up to `backlog` connections a turn, before any of them is closed: two turns
+        # of 128 from a flood ran a process of 256 files out of them. ACCEPT_BATCH a turn, and the
+        # system's queue as long as before.
+        await web.SockSite(self.runner, sock, backlog=ACCEPT_BATCH).start()
+        sock.listen(BACKLOG)
 
     @property
     def url(self) -> str:
@@ -266,7 +272,10 @@ class _Server(web.Server):
 
     def connection_made(self, handler, transport):
         super().connection_made(handler, transport)
-        unproven = [c for c in self.connections if c not in self.served]
+        # One closed already stays in `connections` until its task is done: passed over, or a burst
+        # of connections accepted at once closed only the same oldest one, and the rest held a file
+        # each until the process ran out of them (accept then waits a second, for every new one).
+        unproven = [c for c in self.connections if c not in self.served and c.transport is not None]
         if len(unproven) > MAX_CONNECTIONS:
             unproven[0].force_close()
 

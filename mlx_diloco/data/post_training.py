@@ -139,7 +139,7 @@ def check_prompt_length(line: Line, prompt_ids: list, seq_len: int, room: int, w
 def read_pairs(path: Path, renderer: Renderer, seq_len: int) -> list:
     """[(prompt ids, chosen ids, rejected ids)] of a preference file."""
     pairs = []
-    for number, record in read_records(path):
+    for number, record in read_records(path, PAIR_FORMAT):
         line = Line(path, number, record, PAIR_FORMAT)
         prompt = pair_prompt(line)
         check_text_or_chat(line, renderer, prompt)
@@ -158,7 +158,7 @@ def read_pairs(path: Path, renderer: Renderer, seq_len: int) -> list:
 def read_prompts(path: Path, renderer: Renderer, seq_len: int, max_completion: int) -> list:
     """[(prompt ids, prompt as given, answer, answer's completion ids)] of a GRPO file."""
     prompts = []
-    for number, record in read_records(path):
+    for number, record in read_records(path, PROMPT_FORMAT):
         line = Line(path, number, record, PROMPT_FORMAT)
         prompt = line.prompt()
         check_text_or_chat(line, renderer, prompt)
