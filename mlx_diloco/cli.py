@@ -13,7 +13,6 @@ from .cluster.launch_options import LaunchOptions
 from .cluster.protocol import DEFAULT_PORT
 from .dashboard.server import DEFAULT_PORT as DASHBOARD_PORT
 from .config import ConfigError, TrainConfig
-from .objectives.kinds import kind
 from .options import NumberOrAuto, WholeOrAuto
 from .records import SUMMARY
 
@@ -238,15 +237,14 @@ def cmd_discover(args):
 def cmd_launch(args):
     from .cluster.launcher import JobFailed, JobState, Launcher
     from .cluster.supervisor import Supervisor
-    from .gym.scorecard import time_spent, time_split
+    from .gym.scorecard import post_training_summary, time_spent, time_split
     from .cluster.protocol import load_secret
     secret = load_secret(secret_file=args.secret_file)
     if args.resume:
         if not args.run_dir:
             raise ConfigError("--resume needs --run-dir naming the job to continue")
-        state = JobState.load(Path(args.run_dir))
-        check_launchable(TrainConfig.from_dict(state.config))  # a resumed job as a new one
-        launcher = Launcher(state, Path(args.run_dir), secret, log=lambda m: print(m, file=sys.stderr))
+        launcher = Launcher(JobState.load(Path(args.run_dir)), Path(args.run_dir), secret,
+                            log=lambda m: print(m, file=sys.stderr))
     else:
         from .cluster.discovery import Found
         from .cluster.hostfile import MlxHostfile
@@ -256,7 +254,6 @@ def cmd_launch(args):
         mlx_file = MlxHostfile.read(args.hostfile) if args.hostfile else None  # its machines' agents, in its order
         found = [Found(h.agent_address, DEFAULT_PORT) for h in mlx_file.hosts] if mlx_file else found_agents(args)
         config = config_from_flags(args, defaults={"workers": len(found)})
-        check_launchable(config)
         options = LaunchOptions(**given_flags(args, "launch_keys"), discover=not (args.hosts or mlx_file))
         if args.dry_run:
             print(dry_run(found, secret, config.workers, options.backend, mlx_file, log=lambda m: print(m, file=sys.stderr)))
@@ -274,14 +271,8 @@ def cmd_launch(args):
     print(f"\njob {s[SUMMARY.job]} in {s[SUMMARY.run_dir]}: {s[SUMMARY.workers]} workers, {s[SUMMARY.steps]} steps, "
           f"final eval loss {s[SUMMARY.final_eval_loss]:.4f}, {s[SUMMARY.restarts]} restart(s)")
     print(f"measured on the workers: {time_spent(s)}\nwhere the time went: {time_split(s)}")
-
-
-def check_launchable(config):
-    """What launch cannot run yet, new jobs and resumed ones alike: post-training's objectives (their
-    data's shards are to come; the agents' rule for the code a job names is cluster/allowed.py's)."""
-    if kind(config.objective).post_training:
-        raise ConfigError(f"launch --objective {config.objective} is not supported yet; train it with "
-                          "'mlx-diloco sim' (docs/post-training.md)")
+    if trained := post_training_summary(s):
+        print(f"post-training: {trained}")
 
 
 def start_dashboard(args, run_dir: Path, secret: bytes = None):
@@ -316,7 +307,7 @@ def cmd_secret(args):
 
 
 def print_summary(s):
-    from .gym.scorecard import time_spent, time_split
+    from .gym.scorecard import post_training_summary, time_spent, time_split
     from .training.metrics import human_bytes
     print(f"\nrun {s[SUMMARY.run_dir]}: {s[SUMMARY.strategy]} x{s[SUMMARY.workers]}, {s[SUMMARY.steps]} steps, "
           f"{trained_on(s)}, final eval loss {s[SUMMARY.final_eval_loss]:.4f}")
@@ -324,6 +315,8 @@ def print_summary(s):
           f"{s[SUMMARY.compute_s]:.1f} s + exchange {s[SUMMARY.modelled_comm_s]:.2f} s, utilisation "
           f"{s[SUMMARY.utilisation]:.1%}")
     print(f"measured here: {time_spent(s)}\nwhere the time went: {time_split(s)}")
+    if trained := post_training_summary(s):
+        print(f"post-training: {trained}")
     if s.get(SUMMARY.peak_memory_bytes):
         per_process = s[SUMMARY.workers_per_process]
         print(f"peak memory {human_bytes(s[SUMMARY.peak_memory_bytes])} per process ({per_process} "

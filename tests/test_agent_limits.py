@@ -368,8 +368,8 @@ def test_built_in_rewards_run_where_code_is_not_allowed(tmp_path, task):
 
 def test_a_resumed_launch_is_held_to_the_same_rule(tmp_path, task):
     """Route 3: `launch --resume` on a run folder whose launch.json names objective grpo and a reward
-    file. The command refuses post-training objectives on resume as on a new job; and the agent, asked
-    to start the resumed job's worker, refuses the reward file before any worker starts."""
+    file: the agent, asked to start the resumed job's worker, refuses the reward file before any worker
+    starts, from the command as from the launcher's code."""
     from dataclasses import asdict
     from mlx_diloco.cluster.launch_options import LaunchOptions
     from mlx_diloco.cluster.launcher import JobFailed, JobState, Launcher, Member
@@ -383,15 +383,13 @@ def test_a_resumed_launch_is_held_to_the_same_rule(tmp_path, task):
         JobState("attack", grpo_config(task, reward_file=str(tmp_path / "evil.py")),
                  [Member("127.0.0.1", agent.port, worker_id=0, host="mini1")], 1,
                  asdict(LaunchOptions(discover=False))).save(run)
+        refusal = (f"agent at 127.0.0.1:{agent.port} refused 'start': reward file '{tmp_path / 'evil.py'}' is Python "
+                   "code, which this agent runs only when started with --allow-code")
         out = run_cli("launch", "--resume", "--run-dir", run, env={"MLX_DILOCO_SECRET": SECRET})
-        assert out.returncode == 2 and out.stderr.strip().splitlines() == [
-            "mlx-diloco: error: launch --objective grpo is not supported yet; train it with 'mlx-diloco sim' "
-            "(docs/post-training.md)"]
-        with pytest.raises(JobFailed) as refused:  # the launcher's code, as `launch --objective` will run it
+        assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == f"mlx-diloco: error: job failed: {refusal}"
+        with pytest.raises(JobFailed) as refused:  # the launcher's code, as `launch --resume` runs it
             Supervisor(Launcher(JobState.load(run), run, SECRET.encode(), log=lambda m: None)).run(resume=True)
-        assert str(refused.value).endswith(
-            f"agent at 127.0.0.1:{agent.port} refused 'start': reward file '{tmp_path / 'evil.py'}' is Python code, "
-            "which this agent runs only when started with --allow-code")
+        assert str(refused.value).endswith(refusal)
         assert not (agent.state / "jobs" / "attack").exists()
     finally:
         agent.close()

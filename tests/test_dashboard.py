@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_cli
 from mlx_diloco.cluster.emulated import SECRET, EmulatedCluster, can_build
 from mlx_diloco.config import ConfigError
 from mlx_diloco.dashboard.server import DEFAULT_PORT, IDLE_S, MAX_CONNECTIONS, Dashboard, parse_where, snapshot, token_for
@@ -197,7 +198,13 @@ return {updates: +document.body.dataset.updates, finished: document.body.dataset
   ring: document.getElementById("ring").textContent,
   exchanges: +document.getElementById("exchanges").dataset.rows,
   time_bars: document.querySelectorAll("#workers tbody .time").length,
-  compute_share: document.getElementById("time-note").dataset.compute, note: document.getElementById("time-note").textContent};
+  compute_share: document.getElementById("time-note").dataset.compute, note: document.getElementById("time-note").textContent,
+  post: {hidden: document.getElementById("post-section").hidden, objective: document.getElementById("post-section").dataset.objective,
+    held: +document.getElementById("post-held-out").dataset.points, reward: +document.getElementById("post-reward").dataset.points,
+    reward_hidden: document.getElementById("post-reward-box").hidden,
+    plotted: charts["post-held-out"] ? charts["post-held-out"].data[1].filter(v => v !== null).length : 0,
+    work: document.getElementById("post-work").textContent, share: document.getElementById("post-work").dataset.generateShare,
+    collapse: document.getElementById("collapse").hidden ? null : document.getElementById("collapse").textContent}};
 """
 
 
@@ -266,10 +273,74 @@ def test_the_page_follows_a_live_sim_and_shows_it_afterwards(browser, tmp_path):
         # apart from the other process of this sim) and MFU.
         assert done["time_bars"] == 4 and 0.5 < float(done["compute_share"]) <= 1, done
         assert "compute" in done["note"] and "MFU" in done["note"], done["note"]
+        assert done["post"]["hidden"] and done["post"]["collapse"] is None  # sft: no post-training panel
         screenshot(browser, "dashboard-sim.png", tmp_path)
     finally:
         served.send_signal(signal.SIGINT)
         assert served.wait(timeout=10) == 130
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    from conftest import addition_task
+    return addition_task(tmp_path_factory.mktemp("addition"))
+
+
+def post_training_flags(task, objective: str) -> list:
+    """A short LoRA run on the addition task's tiny Llama (random weights) with 2 workers."""
+    return ["--model", task / "model", "--data", task / objective, "--objective", objective, "--fine-tune-type", "lora",
+            "--num-layers", -1, "--lora-rank", 4, "--workers", 2, "--sync-every", 2, "--batch-size", 4, "--seq-len", 16,
+            "--eval-sequences", 8, "--warmup", 1, "--max-completion-length", 5, "--group-size", 4, "--sample-tokens", 0]
+
+
+@pytest.mark.skipif(bool(no_browser), reason=no_browser)
+def test_the_page_shows_a_grpo_run_its_accuracy_reward_kl_what_generating_cost_and_its_collapse(browser, tmp_path, task):
+    """A GRPO sim at lr 1, served by its --dashboard (measured: its reward falls from 0.69 at step 2 to
+    0.17 at step 6 and stays below 0.27 to step 12, under half its best: the rows say it collapses): the
+    post-training panel plots the held-out accuracy and reward, the training reward and
+    KL at every evaluation, says the tokens generated and trained and the share of the time spent
+    generating, and the collapse shows as a warning above the page, as the rows say it. A DPO run shows
+    its pair accuracy and chosen log-probability instead."""
+    run_dir = tmp_path / "grpo"
+    grpo = post_training_flags(task, "grpo") + ["--steps", 12, "--lr", 1.0, "--beta", 0.04, "--reward-functions",
+                                                "exact_answer,format", "--reward-format", r"\d+"]
+    sim = command(tmp_path / "sim.log", "sim", *grpo, "--run-dir", run_dir, "--dashboard", "127.0.0.1:0")
+    try:
+        browser.get(printed_url(tmp_path / "sim.log", sim))
+        assert sim.wait(timeout=300) == 0, (tmp_path / "sim.log").read_text()[-3000:]
+        done = watch(browser, lambda s: s["finished"], timeout=30)
+    finally:
+        sim.kill()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    post = done["post"]
+    assert not post["hidden"] and post["objective"] == "grpo" and not post["reward_hidden"]
+    assert "generation" in done["note"] and "null" not in done["note"], done["note"]  # (a part at 0 s showed 'null')
+    assert post["held"] == post["plotted"] == len(rows) == 7 and post["reward"] == len(rows) - 1  # (no reward at step 0)
+    last = rows[-1]
+    assert f"{last['tokens_generated']:,} tokens generated, {last['tokens_trained']:,} trained" in post["work"]
+    assert float(post["share"]) == pytest.approx(last["generate_s"] / (last["generate_s"] + last["train_s"]))
+    collapsed = [r for r in rows if r["collapse"]]
+    assert collapsed, [(r["step"], r["reward"]) for r in rows]
+    assert post["collapse"] == f"step {collapsed[-1]['step']}: {collapsed[-1]['collapse']}" and "reward" in post["collapse"]
+    screenshot(browser, "dashboard-grpo.png", tmp_path)
+    # The same run to step 16 recovers (reward 0.50 at step 12, 0.70 at 16): the warning says so. And a
+    # DPO run: its pair accuracy and the chosen answers' log-probability, no reward chart.
+    for name, flags in (("grpo-16", grpo[:grpo.index("--steps")] + ["--steps", 16, "--lr", 1.0] + grpo[grpo.index("--beta"):]),
+                        ("dpo", post_training_flags(task, "dpo") + ["--steps", 4])):
+        assert run_cli("sim", *flags, "--run-dir", tmp_path / name).returncode == 0
+        served = command(tmp_path / f"{name}.log", "dashboard", tmp_path / name, "--port", 0)
+        try:
+            browser.get(printed_url(tmp_path / f"{name}.log", served))
+            post = watch(browser, lambda s: s["finished"], timeout=30)["post"]
+        finally:
+            served.kill()
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        if name == "dpo":
+            assert post["objective"] == "dpo" and post["reward_hidden"] and post["held"] == post["plotted"] == len(rows) == 3
+            assert post["work"].startswith(f"{rows[-1]['tokens_trained']:,} completion tokens trained") and not post["collapse"]
+        else:
+            assert not rows[-1]["collapse"] and post["collapse"].endswith("(recovered by step 16)"), post["collapse"]
+    screenshot(browser, "dashboard-dpo.png", tmp_path)
 
 
 def cpu_seconds(pid: int) -> float:

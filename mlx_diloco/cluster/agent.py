@@ -230,7 +230,8 @@ class Agent:
 
     def on_start(self, msg):
         """Start this machine's worker of a job: the request carries its WorkerJob, which the agent
-        completes with where things are here and reads with the worker's own code (WorkerJob.parse)."""
+        completes with where things are here and reads with the worker's own code (WorkerJob.parse).
+        With `check_only`, every check of a start and nothing started."""
         folder, given = self._job_dir(msg["job"]), msg["worker"]
         _need(not (placed := sorted(set(given) & set(WorkerJob.HOST_KEYS))),
               f"a launcher may not set {', '.join(placed)}: the agent places the worker's files")
@@ -252,6 +253,8 @@ class Agent:
         _need(job.backend == "ring" or (is_device_matrix(msg.get("devices"), job.ring_size) and
                                         _ADDRESS.fullmatch(str(msg.get("coordinator")))),
               "jaccl needs 'devices' (MLX's device matrix, one row per worker) and 'coordinator' ('ip:port')")
+        if msg.get("check_only"):  # a launcher asks every agent first, before it ships or starts anything
+            return {}
         with self.lock:
             old = self.jobs.get(msg["job"])
             _need(old is None or old.popen.poll() is not None, f"job {msg['job']} is already running here; stop it first")

@@ -4,7 +4,8 @@ on sim, gym run and launch; `mlx-diloco dashboard RUN`).
 One JSON endpoint, /api/run, assembles the run folder's files at each request: config.json,
 metrics.jsonl, exchanges.jsonl, events.jsonl (the launcher's), summary.json, status.json
 (run_status.py) and ring.json (the launcher's ring, each link's kind and measured speed; a sim run's
-is its workers over its modelled link). The page (static/) asks for it every second until the run
+is its workers over its modelled link), with what the page names from records.py (the time split's
+parts, a post-training objective's metrics). The page (static/) asks for it every second until the run
 has its summary. A run's files are kilobytes, so each answer holds them whole; a line still being
 written is left for the next. Only files inside the run folder are read (a link out of it is not
 followed), and a malformed row is passed over, said once in a log line.
@@ -46,7 +47,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from .. import run_status
 from ..exchange.network import parse_link
 from ..options import ConfigError
-from ..records import HOP, STATUS, TIME_NAMES
+from ..records import HOP, OBJECTIVE, STATUS, TIME_NAMES
 
 STATIC = Path(__file__).parent / "static"
 # The page and its code, read once (75 KB): serving them opens no file, even out of file descriptors.
@@ -154,6 +155,7 @@ def snapshot(run_dir: Path, say=lambda message: None) -> dict:
     return {"run": run_dir.resolve().name, "folder": str(run_dir), "time": time.time(), "config": config,
             "summary": read_json(run_dir / "summary.json", run_dir), "status": status, "ring": ring,
             "states": run_status.STATES, "time_parts": list(TIME_NAMES.items()),  # where a worker's time went
+            "metric_help": dict(OBJECTIVE),  # what a post-training run's own metrics mean
             **{name: read_rows(run_dir / f"{name}.jsonl", run_dir) for name in LOGS}}
 
 
