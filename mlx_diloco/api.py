@@ -29,7 +29,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 import numpy as np
 
-from .config import ConfigError, TrainConfig, held_out_in_sequences
+from .config import OBJECTIVES, ConfigError, TrainConfig, held_out_in_sequences
 from .data.datasets import ArrayExamples, BatchStream, Dataset
 from .exchange.comm import SimCommunicator
 from .exchange.ledger import ExchangeLedger
@@ -93,15 +93,31 @@ def as_strategy(strategy) -> Strategy:
     raise ConfigError(f"strategy must be a strategy such as DiLoCo(sync_every=50), or its name 'diloco', not {what}")
 
 
-def check_data_path(model, eval_data):
+def check_data_path(model, eval_data, loss_fn=None):
     """Data named by path comes with its held-out split (valid.jsonl) and is tokenized by the model's
-    tokenizer: the model must be named by path too."""
+    tokenizer: the model must be named by path too, and a loss_fn by its import name (`sim` runs it)."""
     if not isinstance(model, str):
         raise ConfigError("train_data given as a path is read with the model's tokenizer: give the model as a "
                           "model folder or preset name (and tokenizer=FOLDER where it has none)")
     if eval_data is not None:
         raise ConfigError("train_data given as a path holds its own held-out split (valid.jsonl beside train.jsonl); "
                           "drop eval_data")
+    if loss_fn is not None and not importable(loss_fn):
+        raise ConfigError("train_data given as a path is trained as sim trains it, which imports loss_fn: define it "
+                          "at the top level of a module")
+
+
+def check_objective(objective: str, loss_fn, data_path):
+    """A post-training objective brings its own loss (as `sim` refuses --loss with it) and reads its
+    pairs or prompts from JSONL, through the model's tokenizer: arrays and batches are sft's."""
+    if objective not in OBJECTIVES or objective == "sft":
+        return  # (an unknown one: the config's check names it)
+    if loss_fn is not None:
+        raise ConfigError(f"loss_fn is the sft objective's; objective {objective} has its own loss: pass loss_fn=None")
+    if data_path is None:
+        raise ConfigError(f"objective {objective} reads its {'prompts' if objective == 'grpo' else 'preference pairs'} "
+                          "from JSONL through the model's tokenizer: give train_data as a .jsonl file or folder and "
+                          "the model as a model folder (docs/post-training.md); arrays and batches train objective sft")
 
 
 def importable(fn) -> str:
@@ -143,8 +159,9 @@ class Trainer:
         self.said_one_process = False
         # Data named by path (JSONL: post-training's pairs or prompts, mlx-lm's records) is read as sim reads it.
         self.data_path = train_data if isinstance(train_data, (str, Path)) else None
+        check_objective(self.config.objective, loss_fn, self.data_path)
         if self.data_path is not None:
-            check_data_path(model, eval_data)
+            check_data_path(model, eval_data, loss_fn)
             return
         self.train = examples(train_data, "train_data")
         # Without eval data the training data is evaluated (pass eval_data when train_data is a one-shot generator).
@@ -209,7 +226,8 @@ class Trainer:
     def fit_from_files(self, config: TrainConfig, run_dir: Path, processes: int, resume: bool, callbacks) -> FitResult:
         """`sim` on the model and data the Trainer names by path (callbacks: in one process); the
         model that comes back is the trained one (a fine-tune's base with its adapters)."""
-        config = replace(config, model=str(self.model), data=str(self.data_path))
+        config = replace(config, model=str(self.model), data=str(self.data_path),
+                         loss=importable(self.loss_fn) if self.loss_fn is not None else "")
         simulate(config, run_dir, 1 if callbacks else processes, resume, log=self.log, callbacks=callbacks)
         return self.result(run_dir, trained_model(run_dir))
 

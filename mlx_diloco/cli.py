@@ -2,6 +2,7 @@
 
 import argparse
 import os
+import signal
 import sys
 import threading
 import time
@@ -12,7 +13,6 @@ from .cluster.launch_options import LaunchOptions
 from .cluster.protocol import DEFAULT_PORT
 from .dashboard.server import DEFAULT_PORT as DASHBOARD_PORT
 from .config import ConfigError, TrainConfig
-from .objectives.kinds import kind
 from .options import NumberOrAuto, WholeOrAuto
 from .records import SUMMARY
 
@@ -182,7 +182,11 @@ def cmd_agent(args):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     state_dir = Path(args.state_dir)  # the Agent makes it absolute: its workers run in another folder
     folders = lambda given: tuple(Path(d).expanduser().resolve() for d in given)
-    allowed = Allowed(state_dir, models=folders(args.models_dir), data=folders(args.data_dir), code=args.allow_code)
+    if args.code_dir and not args.allow_code:
+        raise ConfigError("--code-dir names folders of code jobs may run, which this agent runs only with "
+                          "--allow-code; pass --allow-code too, or drop --code-dir")
+    allowed = Allowed(state_dir, models=folders(args.models_dir), data=folders(args.data_dir), code=args.allow_code,
+                      code_dirs=folders(args.code_dir))
     serve(state_dir, load_secret(secret_file=args.secret_file), args.port, args.bind, mdns=not args.no_mdns,
           name=args.name, max_memory=args.max_memory and args.max_memory * 1e9, allowed=allowed)
 
@@ -233,7 +237,7 @@ def cmd_discover(args):
 def cmd_launch(args):
     from .cluster.launcher import JobFailed, JobState, Launcher
     from .cluster.supervisor import Supervisor
-    from .gym.scorecard import time_spent, time_split
+    from .gym.scorecard import post_training_summary, time_spent, time_split
     from .cluster.protocol import load_secret
     secret = load_secret(secret_file=args.secret_file)
     if args.resume:
@@ -250,9 +254,6 @@ def cmd_launch(args):
         mlx_file = MlxHostfile.read(args.hostfile) if args.hostfile else None  # its machines' agents, in its order
         found = [Found(h.agent_address, DEFAULT_PORT) for h in mlx_file.hosts] if mlx_file else found_agents(args)
         config = config_from_flags(args, defaults={"workers": len(found)})
-        if kind(config.objective).post_training:  # its data's shards and a reward file's rule on the agents are to come
-            raise ConfigError(f"launch --objective {config.objective} is not supported yet; train it with "
-                              "'mlx-diloco sim' (docs/post-training.md)")
         options = LaunchOptions(**given_flags(args, "launch_keys"), discover=not (args.hosts or mlx_file))
         if args.dry_run:
             print(dry_run(found, secret, config.workers, options.backend, mlx_file, log=lambda m: print(m, file=sys.stderr)))
@@ -270,6 +271,8 @@ def cmd_launch(args):
     print(f"\njob {s[SUMMARY.job]} in {s[SUMMARY.run_dir]}: {s[SUMMARY.workers]} workers, {s[SUMMARY.steps]} steps, "
           f"final eval loss {s[SUMMARY.final_eval_loss]:.4f}, {s[SUMMARY.restarts]} restart(s)")
     print(f"measured on the workers: {time_spent(s)}\nwhere the time went: {time_split(s)}")
+    if trained := post_training_summary(s):
+        print(f"post-training: {trained}")
 
 
 def start_dashboard(args, run_dir: Path, secret: bytes = None):
@@ -304,7 +307,7 @@ def cmd_secret(args):
 
 
 def print_summary(s):
-    from .gym.scorecard import time_spent, time_split
+    from .gym.scorecard import post_training_summary, time_spent, time_split
     from .training.metrics import human_bytes
     print(f"\nrun {s[SUMMARY.run_dir]}: {s[SUMMARY.strategy]} x{s[SUMMARY.workers]}, {s[SUMMARY.steps]} steps, "
           f"{trained_on(s)}, final eval loss {s[SUMMARY.final_eval_loss]:.4f}")
@@ -312,6 +315,8 @@ def print_summary(s):
           f"{s[SUMMARY.compute_s]:.1f} s + exchange {s[SUMMARY.modelled_comm_s]:.2f} s, utilisation "
           f"{s[SUMMARY.utilisation]:.1%}")
     print(f"measured here: {time_spent(s)}\nwhere the time went: {time_split(s)}")
+    if trained := post_training_summary(s):
+        print(f"post-training: {trained}")
     if s.get(SUMMARY.peak_memory_bytes):
         per_process = s[SUMMARY.workers_per_process]
         print(f"peak memory {human_bytes(s[SUMMARY.peak_memory_bytes])} per process ({per_process} "
@@ -488,8 +493,12 @@ def build_parser(config_flags: bool = True):
     s.add_argument("--data-dir", action="append", default=[], metavar="DIR",
                    help="a folder whose files jobs may read as data (launch --data-on-workers; repeat it for more)")
     s.add_argument("--allow-code", action="store_true",
-                   help="let jobs name a model builder or loss function as package.module:function (Python code, "
-                        "imported from the modules installed here)")
+                   help="let jobs run the Python code they name: a model builder or loss function "
+                        "package.module:function (imported from the modules installed here), a GRPO reward file "
+                        "shipped with the job or under a --code-dir")
+    s.add_argument("--code-dir", action="append", default=[], metavar="DIR",
+                   help="with --allow-code: a folder whose files of code (GRPO reward files) jobs may run from this "
+                        "machine's disk (repeat it for more)")
     s.set_defaults(func=cmd_agent)
 
     def add_finding(s):
@@ -580,11 +589,23 @@ def build_parser(config_flags: bool = True):
     return p
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM: a command stops as Ctrl-C stops it, its cleanup run (sim's processes stopped, its
+    temporary folder removed) and a line said, rather than dying where it stands."""
+
+
+def on_sigterm(signum, frame):
+    raise Terminated()
+
+
 def main(argv=None):
     from .blas import ensure_fast_blas
     ensure_fast_blas(None if argv is None else ["-m", "mlx_diloco", *argv])
     command = (sys.argv[1:] if argv is None else argv)[:1]
     args = build_parser(config_flags=command in (["sim"], ["launch"], ["gym"], ["sweep"], ["plan"])).parse_args(argv)
+    # (not in a process another program starts and kills, nor the agent, which has its own)
+    if command not in (["worker"], ["linktest"], ["agent"]) and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_sigterm)
     try:
         args.func(args)
     except ConfigError as e:
@@ -593,7 +614,8 @@ def main(argv=None):
         else:
             print(f"mlx-diloco: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         hint = getattr(args, "on_interrupt", None)
-        print("\ninterrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
-        sys.exit(130)
+        said = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        print(f"\n{said}" + (f"; {hint}" if hint else ""), file=sys.stderr)
+        sys.exit(128 + signal.SIGTERM if isinstance(e, Terminated) else 130)

@@ -199,10 +199,13 @@ class TrainConfig:
     def reward_weight_values(self) -> list:
         """reward-weights as numbers ([]: all 1)."""
         try:
-            return [float(w) for w in self.reward_weights.split(",") if w.strip()]
+            weights = [float(w) for w in self.reward_weights.split(",") if w.strip()]
         except ValueError:
-            raise ConfigError(f"reward-weights must be numbers, comma-separated (e.g. 1,0.5), not "
-                              f"'{self.reward_weights}'") from None
+            weights = [math.nan]
+        if not all(map(math.isfinite, weights)):  # a NaN weight zeroed every reward (nansum), an inf made them NaN
+            raise ConfigError(f"reward-weights must be finite numbers, comma-separated (e.g. 1,0.5), not "
+                              f"'{self.reward_weights}'")
+        return weights
 
     def reporters(self) -> list:
         """The loggers of report-to, as mlx-lm splits them ("wandb, swanlab": both)."""

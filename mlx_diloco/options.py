@@ -7,6 +7,7 @@ import argparse
 import copy
 import difflib
 import json
+import math
 from dataclasses import field, fields
 from functools import partial
 
@@ -93,7 +94,12 @@ def checked_value(name: str, value, kind, default=None):
                    NumberOrAuto: f"a number or \"{AUTO}\"", WholeOrAuto: f"a whole number or \"{AUTO}\""}[kind]
         raise ConfigError(f"{flag} must be {example}, not {json.dumps(value)}; "
                           f"write e.g. \"{name}\": {json.dumps(valid_example(value, kind, default))}")
-    return float(value) if kind in (float, NumberOrAuto) and value != AUTO else value
+    if kind in (float, NumberOrAuto) and value != AUTO:
+        if not math.isfinite(value):  # no setting means anything at inf or NaN (an outer-lr of inf diverged)
+            raise ConfigError(f"{flag} must be a finite number, not {value}; write e.g. \"{name}\": "
+                              f"{json.dumps(default if default is not None else 1.0)}")
+        return float(value)
+    return value
 
 
 def valid_example(value, kind, default):

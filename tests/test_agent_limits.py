@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import tiny_config
+from conftest import run_cli, tiny_config
 from mlx_diloco.cluster import protocol
 from mlx_diloco.cluster.discovery import AgentClient, AgentError, Found
 from mlx_diloco.worker_job import WorkerJob
@@ -261,3 +261,154 @@ def test_launch_says_in_one_line_what_an_agent_does_not_allow(tmp_path):
         f"mlx-diloco: error: job failed: agent at 127.0.0.1:{agent.port} refused 'start': loss function "
         "'no_such_module:loss' names Python code (package.module:function), which this agent imports only when "
         "started with --allow-code")
+
+
+# ---------------------------------------------------------------- the code a job names (issue 43)
+
+REWARD = ("import pathlib\npathlib.Path({marker!r}).write_text('ran')\n"
+          "def anything(prompts, completions, answer, **kwargs):\n    return [0.0] * len(completions)\n")
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    """The addition task (a tiny Llama with its tokenizer, GRPO prompts): what a GRPO job trains."""
+    from conftest import addition_task
+    return addition_task(tmp_path_factory.mktemp("addition"))
+
+
+def grpo_config(task, **keys) -> dict:
+    return {**tiny_config(workers=1, steps=2, sync_every=2).to_dict(), "model": str(task / "model"),
+            "data": str(task / "grpo"), "objective": "grpo", "fine_tune_type": "lora", "num_layers": -1,
+            "batch_size": 2, "group_size": 2, "max_completion_length": 5, "seq_len": 32, **keys}
+
+
+def owner_agent(tmp_path, task, *flags) -> LiveAgent:
+    """An agent whose owner lets jobs load the task's model and read its data."""
+    return LiveAgent(tmp_path, "--models-dir", task, "--data-dir", task, *flags)
+
+
+def test_a_shipped_reward_file_runs_only_where_the_owner_allows_code(tmp_path, task):
+    """Route 1 of issue 43: a secret holder uploads evil.py as one of a job's files and names it as a
+    GRPO reward file. Without --allow-code the agent refuses in one line and starts nothing; with it,
+    the shipped file is the job's reward file (the owner allowed code from launches)."""
+    marker = tmp_path / "ran"
+    evil = REWARD.format(marker=str(marker)).encode()
+    agent = owner_agent(tmp_path, task)
+    try:
+        with pytest.raises(AgentError) as refused:
+            start(agent.client, grpo_config(task, reward_file="evil.py"), {"evil.py": ship(agent.client, evil)})
+        assert str(refused.value) == (f"agent at 127.0.0.1:{agent.port} refused 'start': reward file 'evil.py' is "
+                                      "Python code, which this agent runs only when started with --allow-code")
+        assert agent.client.request("status", job="j", metrics_from=0, exchanges_from=protocol.NO_LOG,
+                                    log_from=0)["state"] == "unknown"  # no worker was started
+        assert not (agent.state / "jobs" / "j").exists()
+    finally:
+        agent.close()
+    assert not marker.exists() and "Traceback" not in agent.log.read_text()
+    agent = owner_agent(tmp_path, task, "--allow-code")
+    try:
+        start(agent.client, grpo_config(task, reward_file="evil.py"), {"evil.py": ship(agent.client, evil)})
+        status = finished(agent, "j")
+    finally:
+        agent.close()
+    assert status["returncode"] == 0, status["log_tail"]
+    assert marker.read_text() == "ran"  # the shipped file, where the worker's data folder holds it
+    job = json.loads((agent.state / "jobs" / "j" / "job.json").read_text())
+    assert job["config"]["reward_file"] == str(agent.state / "jobs" / "j" / "data-0" / "evil.py")
+    assert "data_dir" not in job  # only code was shipped: the data is read where the owner allowed it
+
+
+def test_a_reward_file_on_the_agents_machine_runs_only_from_a_code_folder_the_owner_named(tmp_path, task):
+    """Route 2: a reward file naming a .py already on the agent's machine (or one it does not have)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    marker = tmp_path / "ran"
+    (home / "evil.py").write_text(REWARD.format(marker=str(marker)))
+    for flags, why in (
+            ([], f"reward file '{home / 'evil.py'}' is Python code, which this agent runs only when started with "
+                 "--allow-code"),
+            (["--allow-code"], f"reward file '{home / 'evil.py'}' is outside the folders this agent's jobs may read "
+                               "it from (none); start the agent with --code-dir naming a folder that holds it")):
+        agent = owner_agent(tmp_path, task, *flags)
+        try:
+            with pytest.raises(AgentError) as refused:
+                start(agent.client, grpo_config(task, reward_file=str(home / "evil.py")))
+            assert str(refused.value) == f"agent at 127.0.0.1:{agent.port} refused 'start': {why}"
+            with pytest.raises(AgentError, match="refused 'start': reward file 'evil.py' (is Python code|is not one of "
+                                                 "the files shipped with the job, nor a path on this machine)"):
+                start(agent.client, grpo_config(task, reward_file="evil.py"))  # relative, not shipped
+            assert not (agent.state / "jobs" / "j").exists()
+        finally:
+            agent.close()
+    assert not marker.exists()
+    agent = owner_agent(tmp_path, task, "--allow-code", "--code-dir", home)
+    try:
+        start(agent.client, grpo_config(task, reward_file=str(home / "evil.py")))
+        assert finished(agent, "j")["returncode"] == 0
+    finally:
+        agent.close()
+    assert marker.read_text() == "ran"  # under the folder its owner named
+    out = run_cli("agent", "--code-dir", home, "--state-dir", tmp_path / "s", env={"MLX_DILOCO_SECRET": SECRET})
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "mlx-diloco: error: --code-dir names folders of code jobs may run, which this agent runs only with "
+        "--allow-code; pass --allow-code too, or drop --code-dir"]
+
+
+def test_built_in_rewards_run_where_code_is_not_allowed(tmp_path, task):
+    agent = owner_agent(tmp_path, task)
+    try:
+        start(agent.client, grpo_config(task, reward_functions="exact_answer,format,length", reward_format=r"\d+"))
+        status = finished(agent, "j")
+    finally:
+        agent.close()
+    assert status["returncode"] == 0, status["log_tail"]
+    rows = [json.loads(line) for line in status["metrics"]]
+    assert rows[-1]["objective"] == "grpo" and "reward" in rows[-1]
+
+
+def test_a_resumed_launch_is_held_to_the_same_rule(tmp_path, task):
+    """Route 3: `launch --resume` on a run folder whose launch.json names objective grpo and a reward
+    file: the agent, asked to start the resumed job's worker, refuses the reward file before any worker
+    starts, from the command as from the launcher's code."""
+    from dataclasses import asdict
+    from mlx_diloco.cluster.launch_options import LaunchOptions
+    from mlx_diloco.cluster.launcher import JobFailed, JobState, Launcher, Member
+    from mlx_diloco.cluster.supervisor import Supervisor
+    marker = tmp_path / "ran"
+    (tmp_path / "evil.py").write_text(REWARD.format(marker=str(marker)))
+    agent = owner_agent(tmp_path, task)
+    try:
+        run = tmp_path / "run"
+        run.mkdir()
+        JobState("attack", grpo_config(task, reward_file=str(tmp_path / "evil.py")),
+                 [Member("127.0.0.1", agent.port, worker_id=0, host="mini1")], 1,
+                 asdict(LaunchOptions(discover=False))).save(run)
+        refusal = (f"agent at 127.0.0.1:{agent.port} refused 'start': reward file '{tmp_path / 'evil.py'}' is Python "
+                   "code, which this agent runs only when started with --allow-code")
+        out = run_cli("launch", "--resume", "--run-dir", run, env={"MLX_DILOCO_SECRET": SECRET})
+        assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == f"mlx-diloco: error: job failed: {refusal}"
+        with pytest.raises(JobFailed) as refused:  # the launcher's code, as `launch --resume` runs it
+            Supervisor(Launcher(JobState.load(run), run, SECRET.encode(), log=lambda m: None)).run(resume=True)
+        assert str(refused.value).endswith(refusal)
+        assert not (agent.state / "jobs" / "attack").exists()
+    finally:
+        agent.close()
+    assert not marker.exists()
+
+
+def test_a_worker_that_exits_on_its_own_is_reaped(agent):
+    """It stayed a zombie process until a launcher asked about its job, which may be never."""
+    pid = start(agent.client, tiny_config(workers=1, steps=2).to_dict())["pid"]
+    deadline, zombie_since = time.time() + 120, None
+    while True:  # gone once the agent collects its exit, without being asked
+        assert time.time() < deadline, "the worker never exited"
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except FileNotFoundError:
+            break
+        zombie_since = (zombie_since or time.time()) if zombie else None
+        assert not zombie_since or time.time() - zombie_since < 5, "the exited worker stays a zombie"
+        time.sleep(0.1)
+    assert agent.client.request("status", job="j", metrics_from=0, exchanges_from=protocol.NO_LOG,
+                                log_from=0)["returncode"] == 0

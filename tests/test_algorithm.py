@@ -135,6 +135,21 @@ def test_a_worker_with_nan_stops_the_run_before_the_global_model_and_its_checkpo
         np.testing.assert_array_equal(after[k], before[k], err_msg=k)
 
 
+@pytest.mark.parametrize("eval_every", [0, 6])
+def test_a_global_model_whose_eval_loss_is_not_finite_has_diverged(tmp_path, eval_every):
+    """Issue 43: an outer lr of 1e9 leaves the global model's weights finite and its loss NaN; the run
+    went on and checkpointed it. Now it stops at the evaluation, or (eval-every 6: no evaluation at
+    step 8) at the checkpoint, and the last checkpoint is the one before, whose loss is finite."""
+    run = make_run(tmp_path, "r", outer_lr=1e9, steps=24, eval_every=eval_every)
+    with pytest.raises(ConfigError, match=r"^step 8: the global model's eval loss is not finite: training diverged, "
+                                          r"and the run stops before it is checkpointed \(its last checkpoint \(step 4\) "
+                                          r"is intact\); lower --lr or --outer-lr"):
+        run.train()
+    assert run_folder.latest_step(tmp_path / "r") == 4
+    resumed = Run(None, tmp_path / "r", SimCommunicator(2), resume=True, log=lambda m: None)
+    assert np.isfinite(resumed.workers.eval_params(resumed.global_params(), resumed.eval_batches))
+
+
 def test_with_one_process_the_nan_error_has_a_line_of_its_own(tmp_path):
     """sim --processes 1 printed the error after the progress bar, on its line (the bar is drawn with \\r)."""
     from conftest import run_cli

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import mlx.core as mx
@@ -202,6 +203,25 @@ def test_a_trainer_takes_any_config_key_and_names_a_wrong_one(tmp_path):
         with pytest.raises(ConfigError) as e:
             Trainer(MLP(), loss_fn, (x, y), **settings)
         assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("objective", ["dpo", "orpo", "grpo"])
+def test_a_post_training_objective_on_arrays_or_with_a_loss_fn_is_one_line(tmp_path, objective):
+    """Issue 43: on a plain nn.Module with arrays, dpo raised an internal TypeError and left a run
+    folder; a loss_fn given with it was ignored (sim refuses --loss with dpo)."""
+    x, y = blobs(200)
+    for loss, said in ((None, f"objective {objective} reads its "
+                               f"{'prompts' if objective == 'grpo' else 'preference pairs'} from JSONL through the "
+                               "model's tokenizer: give train_data as a .jsonl file or folder and the model as a "
+                               "model folder (docs/post-training.md); arrays and batches train objective sft"),
+                       (loss_fn, f"loss_fn is the sft objective's; objective {objective} has its own loss: pass "
+                                 "loss_fn=None")):
+        with pytest.raises(ConfigError) as e:
+            Trainer(MLP(), loss, (x, y), objective=objective, run_dir=tmp_path / "r").fit("diloco", workers=2, steps=2)
+        assert str(e.value) == said
+        with pytest.raises(ConfigError, match="^loss_fn is the sft objective's") if loss else nullcontext():
+            Trainer("MODEL_FOLDER", loss, "pairs/", objective=objective)  # data by path: the loss is refused too
+    assert not (tmp_path / "r").exists()
 
 
 def test_fit_passes_callbacks_to_the_run(tmp_path):

@@ -59,6 +59,8 @@ def test_run_shorter_than_h_trains_and_checkpoints(tmp_path):
     ({"steps": 20.5}, "steps must be a whole number, not 20.5"),
     ({"beta2": 1.5}, "beta2 must be in [0, 1)"),
     ({"outer_lr": 0}, "outer-lr must be > 0"),
+    ({"outer_lr": float("inf")}, "outer-lr must be a finite number, not inf"),  # (JSON's Infinity)
+    ({"lr": float("nan")}, "lr must be a finite number, not nan"),
     ({"grad_clip": -1}, "grad-clip must be >= 0"),
     ({"warmup": -5}, "warmup must be >= 0"),
     (["workers", 4], "config keys must be a JSON object"),
@@ -69,6 +71,14 @@ def test_config_values_are_checked(tmp_path, params, message):
     with pytest.raises(ConfigError) as e:
         resolve(TrainConfig.from_file(path))  # the strategy's options are checked where it is built
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e400"])
+def test_an_outer_lr_that_is_not_finite_is_refused_up_front(tmp_path, value):
+    out = run_cli("sim", f"--outer-lr={value}", "--run-dir", tmp_path / "r")
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        f"mlx-diloco: error: outer-lr must be a finite number, not {float(value)}; write e.g. \"outer_lr\": \"auto\""]
+    assert not (tmp_path / "r").exists()
 
 
 def test_config_type_error_is_one_line_even_with_an_overriding_flag(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 from conftest import run_cli, tiny_llama_folder
 from mlx_diloco.config import ConfigError, TrainConfig
 from mlx_diloco.data.datasets import ShardSampler, load_text, prepare
-from mlx_diloco.data.jsonl import IGNORE
+from mlx_diloco.data.jsonl import FORMATS, IGNORE
 from mlx_diloco.exchange.comm import SimCommunicator
 from mlx_diloco.models.zoo import build_model, load_spec
 from mlx_diloco.training.run import Run
@@ -152,7 +152,8 @@ def test_bad_lines_are_named(tmp_path, model_dir, line, error):
      r"""line 3: messages\[1\]'s "content" is 5, not a string; write it as text \("..."\)$"""),
     ("chat", {"messages": [{"role": "user", "content": ["hi"]}]}, r"""line 3: messages\[0\]'s "content" is \["hi"\]"""),
     ("chat", {"messages": [{"content": "hi"}]}, r"""line 3: messages\[0\] is not a \{"role": ..., "content": ...\} object"""),
-    ("chat", {"messages": "hi"}, r"""line 3: "messages" is not a list of messages"""),
+    ("chat", {"messages": "hi"}, r"""line 3: "messages" is not a list of messages; write it as \[\{"role": "user", """
+                                 r""""content": "..."\}, \{"role": "assistant", "content": "..."\}\]$"""),  # not "as text"
     ("completions", {"prompt": "q", "completion": None}, r"""line 3: "completion" is null, not a string"""),
     ("text", {"text": {"a": 1}}, r"""line 3: "text" is \{"a": 1\}, not a string"""),
 ])
@@ -184,7 +185,7 @@ def test_cli_says_one_line_and_writes_nothing(tmp_path, model_dir):
                   "--run-dir", tmp_path / "run", env={"MLX_DILOCO_CACHE": str(tmp_path / "cache")})
     assert out.returncode != 0
     assert out.stderr.strip().splitlines() == [f"mlx-diloco: error: {folder / 'valid.jsonl'} line 4 is not JSON (Expecting value); "
-                                               "write one JSON object a line, e.g. {\"text\": \"...\"}"]
+                                               f"write one JSON object a line: {FORMATS}"]
     assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
 
 

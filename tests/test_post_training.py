@@ -202,12 +202,6 @@ def test_a_post_training_run_is_scored_and_plotted(task, tmp_path):
     assert scorecard.plot(cards[:1], tmp_path / "card.png").is_file()
 
 
-def test_launch_says_an_objective_is_for_sim_for_now():
-    out = run_cli("launch", "--hosts", "127.0.0.1", "--objective", "grpo", env={"MLX_DILOCO_SECRET": "s" * 32})
-    assert out.returncode != 0
-    assert "launch --objective grpo is not supported yet; train it with 'mlx-diloco sim'" in out.stderr
-
-
 def test_a_collapse_is_told_from_a_dip():
     """Held-out accuracy and reward of two measured addition-grpo runs (DDP x4, dr_grpo, every 100
     steps): at lr 1e-3 the accuracy dips and rises (no collapse said); at 2e-3 it falls to 0."""

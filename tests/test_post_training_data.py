@@ -147,3 +147,45 @@ def test_data_that_is_not_jsonl_is_refused_with_the_form(tmp_path, tokenizer):
     (tmp_path / "text.txt").write_text("1+1=2\n" * 100)
     with pytest.raises(ConfigError, match=r'objective grpo reads JSONL.*\{"prompt": \.\.\., "answer": \.\.\.\}'):
         load("grpo", tmp_path / "text.txt", tokenizer)
+
+
+@pytest.mark.parametrize("objective", ["dpo", "grpo"])
+def test_an_empty_file_is_told_the_objectives_record_form(tmp_path, tokenizer, objective):
+    """An empty DPO file was told to use SFT's record formats."""
+    (tmp_path / "train.jsonl").write_text("\n")
+    with pytest.raises(ConfigError) as e:
+        load(objective, tmp_path / "train.jsonl", tokenizer)
+    form = '{"prompt": ..., "answer": ...}' if objective == "grpo" else '{"prompt": ..., "chosen": ..., "rejected": ...}'
+    assert str(e.value) == f"{tmp_path / 'train.jsonl'} holds no records; write one a line: {form}"
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    from conftest import addition_task
+    return addition_task(tmp_path_factory.mktemp("addition"))
+
+
+GOOD_LINE = {"sft": {"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]},
+             "dpo": PAIRS[0], "grpo": {"prompt": "1+1=", "answer": "2"}}
+
+
+@pytest.mark.parametrize("objective", ["sft", "dpo", "grpo"])
+def test_data_that_is_not_utf8_is_one_line_naming_its_line_and_leaves_nothing(tmp_path, task, objective):
+    """Issue 43: a 31-line traceback ending in UnicodeDecodeError, for SFT chat, DPO and GRPO files, in
+    the command line (a file saved as latin-1) and the API (a binary file)."""
+    from conftest import run_cli
+    from mlx_diloco import Trainer
+    latin1, binary = tmp_path / "latin1.jsonl", tmp_path / "binary.jsonl"
+    latin1.write_bytes(json.dumps(GOOD_LINE[objective]).encode() + b'\n{"prompt": "caf\xe9"}\n')
+    binary.write_bytes(bytes(range(128, 256)))
+    fix = "save the file as UTF-8 (a latin-1 file: iconv -f latin1 -t utf-8 {}), or pass a JSONL file"
+    out = run_cli("sim", "--model", task / "model", "--data", latin1, "--objective", objective, "--fine-tune-type",
+                  "lora", "--steps", 2, "--run-dir", tmp_path / "cli")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (f"mlx-diloco: error: {latin1} line 2 is not UTF-8 text (byte 0xe9 "
+                                                   f"at column 16); " + fix.format("latin1.jsonl"))
+    with pytest.raises(ConfigError) as e:
+        Trainer(str(task / "model"), None, str(binary), objective=objective, fine_tune_type="lora",
+                run_dir=tmp_path / "api", log=lambda m: None).fit("diloco", workers=2, steps=2)
+    assert str(e.value) == f"{binary} line 1 is not UTF-8 text (byte 0x80 at column 1); " + fix.format("binary.jsonl")
+    assert not (tmp_path / "cli").exists() and not (tmp_path / "api").exists()

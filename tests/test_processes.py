@@ -109,3 +109,30 @@ def test_the_processes_stop_when_sim_is_killed(tmp_path):
         time.sleep(0.2)
     alive = os.path.exists(f"/proc/{worker}") and open(f"/proc/{worker}/stat").read().split()[2] != "Z"
     assert not alive, "sim's process trains on after sim was killed"
+
+
+def test_sigterm_stops_sim_with_a_line_and_leaves_no_temporary_folder(tmp_path):
+    """Issue 43: SIGTERM to sim printed nothing and left its mlx-diloco-sim-* folder (its job file and
+    the processes' logs) in the system's temporary folder."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_diloco", "sim", *FLAGS[:9], "100000", *FLAGS[10:],
+                             "--processes", "2", "--run-dir", str(tmp_path / "r")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(temp)})
+    deadline, worker = time.time() + 120, None
+    while worker is None and time.time() < deadline:  # its processes started
+        time.sleep(0.2)
+        worker = next((int(pid) for pid in filter(str.isdigit, os.listdir("/proc")) if sim_job(pid, tmp_path / "r")),
+                      None)
+    assert worker and len(list(temp.glob("mlx-diloco-sim-*"))) == 1
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and err.strip().splitlines()[-1] == (
+        f"terminated (SIGTERM); continue with: mlx-diloco sim --resume --run-dir {tmp_path / 'r'}"), err[-1000:]
+    assert list(temp.glob("mlx-diloco-sim-*")) == [] and not os.path.exists(f"/proc/{worker}")

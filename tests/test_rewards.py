@@ -4,6 +4,7 @@ with the prompt it failed at."""
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -85,6 +86,35 @@ def test_a_reward_file_that_does_not_load_is_one_line(tmp_path, source, line):
     assert "\n" not in str(e.value)
 
 
+def test_a_reward_file_with_a_nul_byte_names_its_line(tmp_path):
+    path = tmp_path / "rewards.py"
+    path.write_bytes(b"def f(prompts, completions, answer, **kwargs):\n    return [0.0]\x00\n")
+    with pytest.raises(ConfigError) as e:
+        load_reward_file(path)
+    assert str(e.value) == (f"{path} line 2: source code string cannot contain null bytes; the reward file must be "
+                            "valid Python")  # it said "line None"
+
+
+def test_a_reward_file_that_is_not_a_py_file_is_one_line(tmp_path):
+    """It was a 38-line traceback ('NoneType' object has no attribute 'loader'): Python imports .py files."""
+    (tmp_path / "noext").write_text("def f(prompts, completions, answer, **kwargs):\n    return [0.0]\n")
+    for path, said in ((tmp_path / "noext", "is not a .py file; pass a Python file of functions f(prompts, "
+                                            "completions, answer, **kwargs) -> list of floats (name it noext.py)"),
+                       (Path("/etc/passwd"), "is not a .py file"),
+                       (tmp_path, "is a folder; pass a Python file (.py)")):
+        with pytest.raises(ConfigError) as e:
+            Rewards(config(reward_file=str(path)))
+        assert str(e.value).startswith(f"reward file {path} {said}") and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("weights", ["inf", "1,nan", "-inf,1"])
+def test_reward_weights_must_be_finite(weights):
+    """A NaN weight zeroed every reward silently (nansum), an inf one made them NaN."""
+    with pytest.raises(ConfigError, match=f"^reward-weights must be finite numbers, comma-separated \\(e.g. 1,0.5\\), "
+                                          f"not '{weights}'$"):
+        config(reward_functions="exact_answer,number_match"[:None if "," in weights else 12], reward_weights=weights)
+
+
 def test_reward_names_and_weights_are_checked(tmp_path):
     path = tmp_path / "rewards.py"
     path.write_text("def correct(prompts, completions, answer, **kwargs):\n    return [1.0] * len(completions)\n")
@@ -112,9 +142,12 @@ def test_a_function_that_raises_is_named_with_the_prompt_it_fails_at(tmp_path):
 
 
 @pytest.mark.parametrize("returned, said", [("[float('nan')] * len(completions)", "returned nan for prompt '1\\+1='"),
+                                            ("[float('inf')] * len(completions)", "returned inf for prompt '1\\+1=' .*; "
+                                                                                  "return a finite number"),
+                                            ("[-float('inf')] * len(completions)", "returned -inf for prompt"),
                                             ("[1.0]", "returned a list of 1, not a list of 2 numbers"),
                                             ("['1'] * len(completions)", "returned '1' for prompt")])
-def test_a_function_that_returns_nan_or_not_numbers_is_one_line(tmp_path, returned, said):
+def test_a_function_that_returns_nan_inf_or_not_numbers_is_one_line(tmp_path, returned, said):
     path = tmp_path / "rewards.py"
     path.write_text(f"def bad(prompts, completions, answer, **kwargs):\n    return {returned}\n")
     with pytest.raises(RewardError, match=said):

@@ -37,7 +37,7 @@ from ..config import ConfigError
 from ..exchange.watchdog import WATCHDOG_EXIT_MARK
 from ..worker_job import WorkerJob
 from . import hostinfo, protocol
-from .allowed import Allowed
+from .allowed import Allowed, shipped_code, shipped_data
 from .links import LinkTestJob
 from .ringplan import SLOWEST_FIRST
 from .hostfile import is_device_matrix
@@ -230,7 +230,8 @@ class Agent:
 
     def on_start(self, msg):
         """Start this machine's worker of a job: the request carries its WorkerJob, which the agent
-        completes with where things are here and reads with the worker's own code (WorkerJob.parse)."""
+        completes with where things are here and reads with the worker's own code (WorkerJob.parse).
+        With `check_only`, every check of a start and nothing started."""
         folder, given = self._job_dir(msg["job"]), msg["worker"]
         _need(not (placed := sorted(set(given) & set(WorkerJob.HOST_KEYS))),
               f"a launcher may not set {', '.join(placed)}: the agent places the worker's files")
@@ -243,8 +244,8 @@ class Agent:
         except (ConfigError, TypeError) as e:
             raise Refused(str(e))
         config, hostfile, files = job.train_config, msg["hostfile"], msg["files"]
-        _need(not (why := self.allowed.problem(config, shipped=bool(files))), why)
-        _need(not files or job.num_shards is not None, "a job that ships data needs num_shards")
+        _need(not (why := self.allowed.problem(config, shipped=files)), why)  # what it reads and runs
+        _need(not shipped_data(config, files) or job.num_shards is not None, "a job that ships data needs num_shards")
         _need(len(hostfile) == job.ring_size and 0 <= msg["rank"] < job.ring_size,
               "the hostfile must have one entry per worker, and rank must index it")
         _need(all(isinstance(e, list) and e and all(isinstance(a, str) and _ADDRESS.fullmatch(a) for a in e)
@@ -252,14 +253,19 @@ class Agent:
         _need(job.backend == "ring" or (is_device_matrix(msg.get("devices"), job.ring_size) and
                                         _ADDRESS.fullmatch(str(msg.get("coordinator")))),
               "jaccl needs 'devices' (MLX's device matrix, one row per worker) and 'coordinator' ('ip:port')")
+        if msg.get("check_only"):  # a launcher asks every agent first, before it ships or starts anything
+            return {}
         with self.lock:
             old = self.jobs.get(msg["job"])
             _need(old is None or old.popen.poll() is not None, f"job {msg['job']} is already running here; stop it first")
             folder.mkdir(parents=True, exist_ok=True)
             if job.resume_step is None and run_dir.exists():  # a fresh start: old checkpoints must not count
                 shutil.rmtree(run_dir)
-            if files:
-                job = replace(job, data_dir=self._materialize_data(folder, job.data_worker, files))
+            if files:  # its data shard, and the files of code it names by their shipped names
+                placed = self._materialize_data(folder, job.data_worker, files)
+                code = {key: str(Path(placed) / name) for key, name in shipped_code(config, files).items()}
+                job = replace(job, config={**job.config, **code},
+                              data_dir=placed if shipped_data(config, files) else None)
             if self.max_memory and not 0 < config.memory_limit * 1e9 <= self.max_memory:
                 # The memory this machine offers is a limit its worker keeps to, not only a number
                 # the launcher checks: MLX waits for queued work before allocating past it.
@@ -369,6 +375,12 @@ class Agent:
         for worker in self.jobs.values():
             worker.kill()
 
+    def reap(self):
+        """Collect the exit of each worker that ended on its own: until then it stays a zombie
+        process (until a launcher asks about its job, which may be never)."""
+        for worker in list(self.jobs.values()):
+            worker.popen.poll()
+
 
 class _Waiting:
     """A connection that has not yet sent its first frame, so has not proven it holds the secret."""
@@ -405,6 +417,7 @@ class _Server:
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.stopping = threading.Event()
         self.dropped, self.reported = collections.Counter(), time.monotonic()
+        self.reaped = time.monotonic()  # when exited workers were last collected (Agent.reap)
 
     def serve_forever(self, poll_interval: float = 0.2):
         while not self.stopping.is_set():
@@ -416,6 +429,9 @@ class _Server:
                 self._accept()  # after the reads: a frame that has arrived is read before more connections come in
             self._drop_late()
             self._report_dropped()
+            if time.monotonic() - self.reaped > 1:
+                self.agent.reap()
+                self.reaped = time.monotonic()
 
     def shutdown(self):
         self.stopping.set()

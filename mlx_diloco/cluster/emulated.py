@@ -69,12 +69,14 @@ class EmulatedCluster:
     {(i, j): rate} direct links, Thunderbolt to the agents (netns-cluster.sh's `cable`). It takes a
     free /24 (or `subnet`, refused if another interface holds it) and names of its own, so clusters
     may run at the same time; `mdns=False` keeps its agents off mDNS: pass `hosts_flag`. Its agents
-    load model folders from `models_dir` (agent --models-dir) and their Hugging Face caches."""
+    load model folders from `models_dir` (agent --models-dir) and their Hugging Face caches, and take
+    `agent_flags` (--allow-code)."""
 
     def __init__(self, hosts: int, folder: Path, rate: str = "", delay: str = "", max_memory: dict = None,
                  host_env: dict = None, cables: dict = None, subnet: str = None, mdns: bool = True,
-                 models_dir: Path = None):
+                 models_dir: Path = None, agent_flags: list = ()):
         self.folder, self.n, self.mdns, self.models_dir = Path(folder), hosts, mdns, models_dir
+        self.agent_flags = list(agent_flags)
         self.max_memory = max_memory or {}  # host -> GB its agent offers (agent --max-memory)
         self.host_env = host_env or {}      # host -> its agent's own variables (HF_HUB_CACHE: its own model cache)
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -116,7 +118,7 @@ class EmulatedCluster:
             ["ip", "netns", "exec", self.namespace(i), sys.executable, "-m", "mlx_diloco", "agent", "--name",
              f"host{i}", "--port", str(PORT), "--state-dir", str(self.folder / f"host{i}"),
              *([] if self.mdns else ["--no-mdns"]), *(["--models-dir", str(self.models_dir)] if self.models_dir else []),
-             *(["--max-memory", str(self.max_memory[i])] if i in self.max_memory else [])],
+             *(["--max-memory", str(self.max_memory[i])] if i in self.max_memory else []), *self.agent_flags],
             stdout=log, stderr=subprocess.STDOUT, env={**self.env, **self.host_env.get(i, {})},
             cwd=self.folder)  # not a source checkout: `-m mlx_diloco` finds the package its PYTHONPATH names
         if wait:

@@ -16,6 +16,7 @@ launcher crash re-attaches to the running workers, or restarts them from their c
 
 import json
 import secrets
+import shutil
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -23,6 +24,7 @@ from pathlib import Path
 from .. import hub
 from ..atomic import atomic_write_text
 from ..config import ConfigError, TrainConfig
+from ..objectives.kinds import kind
 from ..records import EVENT, HOP
 from ..training.metrics import human_bytes
 from ..worker_job import WorkerJob
@@ -89,6 +91,7 @@ class JobState:
 
 
 RESTARTS = ("membership_change", "restarted")  # events whose total_s is time the job did not train
+REWARD_FILE = "rewards.py"  # a job's reward file, as it ships beside each worker's shard
 
 
 def job_strategy(config: TrainConfig):
@@ -152,18 +155,32 @@ def planned_members(config: TrainConfig, step: int) -> list:
 
 
 def cut_shards(config: TrainConfig, num_shards: int, folder: Path, log=print) -> dict:
-    """Tokenize the corpus here once and cut one shard per worker into folder/worker-K, without
-    building the model. Returns {worker: {file name: sha256}}, what the agents are sent."""
+    """Tokenize the corpus (or read the post-training pairs or prompts) here once and cut one shard per
+    worker into folder/worker-K, without building the model. Returns {worker: {file name: sha256}},
+    what the agents are sent."""
     from ..data.datasets import write_shard
+    from ..data.post_training import write_post_training_shard
     from ..models.zoo import load_spec
     from ..training.resolve import load_data
     data = load_data(config, load_spec(config.model), log=log)
-    files = {}
+    write = write_post_training_shard if kind(config.objective).post_training else write_shard
     for w in range(num_shards):
-        shard = write_shard(data, w, num_shards, folder / f"worker-{w}")
-        files[str(w)] = {str(p.relative_to(shard)): protocol.file_digest(p)
-                         for p in sorted(shard.rglob("*")) if p.is_file()}
-    return files
+        write(data, w, num_shards, folder / f"worker-{w}")
+    return shard_files(folder, num_shards)
+
+
+def shard_files(folder: Path, num_shards: int) -> dict:
+    """{worker: {file name: sha256}} of the files in each folder/worker-K."""
+    return {str(w): {str(p.relative_to(shard)): protocol.file_digest(p) for p in sorted(shard.rglob("*")) if p.is_file()}
+            for w in range(num_shards) if (shard := folder / f"worker-{w}").is_dir()}
+
+
+def check_reward_file(config: TrainConfig):
+    """A reward file, loaded here before anything starts: one line for one that does not load, or lacks
+    a function the config names (objectives/rewards.py), rather than a failure on every worker."""
+    if config.reward_file:
+        from ..objectives.rewards import Rewards
+        Rewards(config)
 
 
 def check_memory(config: TrainConfig, strategy, agents: list):
@@ -271,6 +288,7 @@ class Launcher:
         check_model_here(config.model)
         run_dir, resolved = Path(run_dir), resolve(config)
         config = resolved.config  # the workers are sent it as resolved: the launcher says its notes
+        check_reward_file(config)
         for note in resolved.notes:
             log(f"[launch] {note}")
         elastic = is_elastic(resolved.strategy)
@@ -298,10 +316,9 @@ class Launcher:
         state.spares += [Member(f.address, f.port, worker_id=-1, host=f.endpoint)
                          for f in parse_hosts(options.add, protocol.DEFAULT_PORT)]
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
         launcher = cls(state, run_dir, secret, log, strategy=resolved.strategy)
-        if not options.data_on_workers:
-            launcher.write_shards(config)
+        launcher.write_job_files(config, shards=not options.data_on_workers)
+        (run_dir / "config.json").write_text(json.dumps(state.config, indent=1))
         state.save(run_dir)
         return launcher
 
@@ -321,8 +338,20 @@ class Launcher:
         self.log(f"[launch] {kind} {text}")
 
     # ------------------------------------------------------------ data
-    def write_shards(self, config: TrainConfig):
-        self.state.data_files = cut_shards(config, self.state.num_shards, self.run_dir / "shards", self.log)
+    def write_job_files(self, config: TrainConfig, shards: bool):
+        """What each worker is sent, in RUN/shards/worker-K: its data shard (`shards`; else each machine
+        reads the data from its own disk), and a reward file, the job's code, beside it as REWARD_FILE,
+        which the job's config names then (an agent runs it only where its owner allows code: allowed.py)."""
+        folder = self.run_dir / "shards"
+        if shards:
+            cut_shards(config, self.state.num_shards, folder, self.log)
+        if config.reward_file:
+            for w in range(self.state.num_shards):
+                (folder / f"worker-{w}").mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(config.reward_file, folder / f"worker-{w}" / REWARD_FILE)
+            self.state.config = {**self.state.config, "reward_file": REWARD_FILE}
+            self.config = replace(self.config, reward_file=REWARD_FILE)
+        self.state.data_files = shard_files(folder, self.state.num_shards)
 
     def ship(self, m: Member):
         """Send the member's shard files the agent does not hold yet, in checksummed chunks."""
@@ -364,16 +393,23 @@ class Launcher:
             resume = self.own_states()
             job = replace(job, config=self.state.config, ring_slots=[m.worker_id for m in members],
                           joiners=self.state.joining, membership=self.state.membership)
-        for m in members:
-            self.ship(m)
-        for rank, m in enumerate(members):
+        def start(rank: int, m: Member, check_only: bool):
             files = self.state.data_files.get(str(m.worker_id)) or {}
             worker = replace(job, data_worker=m.worker_id, resume_step=resume[m.worker_id],
                              num_shards=self.state.num_shards if files else None)
+            self.client(m).request("start", job=self.state.job, rank=rank, hostfile=hostfile, worker=worker.for_agent(),
+                                   files=files, check_only=check_only, **start_fields(ring, ports[0]))
+        try:  # every agent checks its start first (what its owner allows: the code a job names, its paths)
+            for rank, m in enumerate(members):
+                start(rank, m, check_only=True)
+        except AgentError as e:  # a refusal, or an agent gone: said in one line, before anything ships or starts
+            raise JobFailed(str(e)) from None
+        for m in members:
+            self.ship(m)
+        for rank, m in enumerate(members):
             try:
-                self.client(m).request("start", job=self.state.job, rank=rank, hostfile=hostfile,
-                                       worker=worker.for_agent(), files=files, **start_fields(ring, ports[0]))
-            except AgentError as e:  # a refusal (what its owner does not allow) or an agent gone: said in one line
+                start(rank, m, check_only=False)
+            except AgentError as e:  # an agent gone since its check: said in one line
                 self._stop(members[:rank])
                 raise JobFailed(str(e)) from None
         if self.state.change:  # a restart or membership change: started now (launch.json keeps it for --resume)

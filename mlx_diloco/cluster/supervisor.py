@@ -483,13 +483,17 @@ class Supervisor:
         return split
 
     def summary(self) -> dict:
-        """The job's summary (records.SUMMARY, as sim's): rank 0's last metrics row, and what the launcher
-        knows of the job (its restarts and changes); what only the workers know (the model) is None."""
+        """The job's summary (records.SUMMARY, as sim's): rank 0's last metrics row, with its objective's
+        summary keys (a GRPO job's tokens generated and trained, its seconds generating and training, its
+        held-out accuracy), and what the launcher knows of the job (its restarts and changes); what only
+        the workers know (the model) is None."""
+        from ..objectives import objective_class
         last = (self.mirror.rows() or [{}])[-1]
         same = (ROW.strategy, ROW.tokens, ROW.examples, ROW.tokens_per_shard, ROW.inner_steps_lost,
                 ROW.bytes_sent_per_worker, ROW.peak_exchange_bytes, ROW.compute_s, ROW.utilisation,
                 ROW.measured_utilisation, ROW.busy_s, ROW.link_s, ROW.straggler_s, ROW.mfu, ROW.flops_per_token,
-                ROW.peak_gflops, ROW.peak_memory_bytes, ROW.workers_per_process, ROW.wall_s)
+                ROW.peak_gflops, ROW.peak_memory_bytes, ROW.workers_per_process, ROW.wall_s,
+                *objective_class(self.config.objective).summary_keys)
         summary = run_summary(
             **{key: last.get(key) for key in same}, run_dir=str(self.launcher.run_dir), job=self.state.job,
             workers=len(self.state.members), steps=last.get(ROW.step), final_eval_loss=last.get(ROW.eval_loss),

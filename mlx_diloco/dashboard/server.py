@@ -4,7 +4,8 @@ on sim, gym run and launch; `mlx-diloco dashboard RUN`).
 One JSON endpoint, /api/run, assembles the run folder's files at each request: config.json,
 metrics.jsonl, exchanges.jsonl, events.jsonl (the launcher's), summary.json, status.json
 (run_status.py) and ring.json (the launcher's ring, each link's kind and measured speed; a sim run's
-is its workers over its modelled link). The page (static/) asks for it every second until the run
+is its workers over its modelled link), with what the page names from records.py (the time split's
+parts, a post-training objective's metrics). The page (static/) asks for it every second until the run
 has its summary. A run's files are kilobytes, so each answer holds them whole; a line still being
 written is left for the next. Only files inside the run folder are read (a link out of it is not
 followed), and a malformed row is passed over, said once in a log line.
@@ -19,8 +20,9 @@ Served by aiohttp (its low-level server, on an event loop of its own): no thread
 connection has IDLE_S to send a request and between two (aiohttp >= 3.14.4 also times out one that
 never sends any), and an answer without the token closes its connection. Past MAX_CONNECTIONS not
 yet served an allowed request, a new one closes the oldest of them: a flood of idle connections from
-a peer without the token cannot lock the page out, even under macOS's 256 open files. Out of file
-descriptors, asyncio waits a second before it accepts again (no busy loop).
+a peer without the token cannot lock the page out, even under macOS's 256 open files. Connections are
+accepted ACCEPT_BATCH a turn, so that a flood never runs the process out of file descriptors; were it
+to, asyncio waits a second before it accepts again (no busy loop).
 """
 
 import asyncio
@@ -45,7 +47,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from .. import run_status
 from ..exchange.network import parse_link
 from ..options import ConfigError
-from ..records import HOP, STATUS, TIME_NAMES
+from ..records import HOP, OBJECTIVE, STATUS, TIME_NAMES
 
 STATIC = Path(__file__).parent / "static"
 # The page and its code, read once (75 KB): serving them opens no file, even out of file descriptors.
@@ -59,6 +61,7 @@ MAX_ROWS = 20_000                           # of each log, the newest
 IDLE_S = 5.0            # a connection's time to send a request, and between two (the page asks every second)
 MAX_CONNECTIONS = 64    # open connections not yet served an allowed request (macOS gives a process 256 files)
 BACKLOG = 128           # connections the system queues for accept
+ACCEPT_BATCH = 32       # connections accepted per turn of the event loop
 log = logging.getLogger("mlx_diloco.dashboard")
 HTTP_LOG = logging.getLogger("mlx_diloco.dashboard.http")  # aiohttp's own: errors in serving a request
 
@@ -152,6 +155,7 @@ def snapshot(run_dir: Path, say=lambda message: None) -> dict:
     return {"run": run_dir.resolve().name, "folder": str(run_dir), "time": time.time(), "config": config,
             "summary": read_json(run_dir / "summary.json", run_dir), "status": status, "ring": ring,
             "states": run_status.STATES, "time_parts": list(TIME_NAMES.items()),  # where a worker's time went
+            "metric_help": dict(OBJECTIVE),  # what a post-training run's own metrics mean
             **{name: read_rows(run_dir / f"{name}.jsonl", run_dir) for name in LOGS}}
 
 
@@ -196,7 +200,11 @@ class Dashboard:
 
     async def _start(self, sock: socket.socket):
         await self.runner.setup()
-        await web.SockSite(self.runner, sock, backlog=BACKLOG).start()
+        # asyncio accepts up to `backlog` connections a turn, before any of them is closed: two turns
+        # of 128 from a flood ran a process of 256 files out of them. ACCEPT_BATCH a turn, and the
+        # system's queue as long as before.
+        await web.SockSite(self.runner, sock, backlog=ACCEPT_BATCH).start()
+        sock.listen(BACKLOG)
 
     @property
     def url(self) -> str:
@@ -266,7 +274,10 @@ class _Server(web.Server):
 
     def connection_made(self, handler, transport):
         super().connection_made(handler, transport)
-        unproven = [c for c in self.connections if c not in self.served]
+        # One closed already stays in `connections` until its task is done: passed over, or a burst
+        # of connections accepted at once closed only the same oldest one, and the rest held a file
+        # each until the process ran out of them (accept then waits a second, for every new one).
+        unproven = [c for c in self.connections if c not in self.served and c.transport is not None]
         if len(unproven) > MAX_CONNECTIONS:
             unproven[0].force_close()
 

@@ -319,6 +319,11 @@ def prepare_fashion_mnist(folder: Path) -> Dataset:
 
 # ---------------------------------------------------------------- shards shipped to cluster workers
 
+# The files of a tokenizer folder that a shard carries: what mlx-lm's load_tokenizer reads of a model
+# folder (mlx_lm.utils' download patterns, less *.py: no code travels), not the model's weights.
+TOKENIZER_FILES = ("*.json", "tokenizer.model", "*.tiktoken", "tiktoken.model", "*.txt", "*.jsonl", "*.jinja")
+
+
 def write_shard(data: Dataset, worker: int, num_workers: int, folder: Path) -> Path:
     """Write worker `worker`'s shard (its train examples, in shard order), the held-out split, the
     tokenizer and what the run needs to know of them (masked targets) into `folder`: everything a
@@ -336,20 +341,28 @@ def write_shard(data: Dataset, worker: int, num_workers: int, folder: Path) -> P
     folder.mkdir(parents=True, exist_ok=True)
     for name, array in arrays.items():
         np.save(folder / f"{name}.npy", np.ascontiguousarray(array))
-    if data.tokenizer_dir:
-        shutil.copytree(data.tokenizer_dir, folder / "tokenizer", dirs_exist_ok=True)
+    if data.tokenizer_dir:  # (a model folder's tokenizer: its files, not the model's weights)
+        (folder / "tokenizer").mkdir(exist_ok=True)
+        for path in Path(data.tokenizer_dir).iterdir():
+            if path.is_file() and any(path.match(pattern) for pattern in TOKENIZER_FILES):
+                shutil.copy2(path, folder / "tokenizer" / path.name)
     (folder / "meta.json").write_text(json.dumps({"worker": worker, "num_workers": num_workers,
                                                   "vocab_size": data.vocab_size,
                                                   "masked_targets": data.masked_targets}))
     return folder
 
 
+def read_shard_meta(folder: Path) -> dict:
+    """A shard's meta.json (what write_shard, or data/post_training.py's, says of it)."""
+    if not (Path(folder) / "meta.json").exists():
+        raise ConfigError(f"{folder} is not a shard folder (no meta.json)")
+    return json.loads((Path(folder) / "meta.json").read_text())
+
+
 def load_shard(folder: Path) -> Dataset:
     """The shard write_shard wrote into `folder`, its examples memory-mapped."""
     folder = Path(folder)
-    if not (folder / "meta.json").exists():
-        raise ConfigError(f"{folder} is not a shard folder (no meta.json)")
-    meta = json.loads((folder / "meta.json").read_text())
+    meta = read_shard_meta(folder)
     load = lambda name: np.load(folder / f"{name}.npy", mmap_mode="r")
     if (folder / "train.npy").exists():
         train, val = WindowExamples(load("train")), WindowExamples(load("val"))

@@ -32,25 +32,37 @@ def is_jsonl(source: str) -> bool:
     return path.suffix == ".jsonl" or (path / "train.jsonl").is_file()
 
 
-def read_records(path: Path) -> list:
-    """(line number, record) for each non-blank line; a line that is not a JSON object is refused."""
+def read_records(path: Path, formats: str = FORMATS) -> list:
+    """(line number, record) for each non-blank line; a line that is not UTF-8 text or not a JSON
+    object is refused, naming the line and the record `formats` the file is read for."""
     records = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            line = utf8_line(path, number, raw)
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"{path} line {number} is not JSON ({e.msg}); write one JSON object a line, "
-                                  f"e.g. {{\"text\": \"...\"}}") from None
+                raise ConfigError(f"{path} line {number} is not JSON ({e.msg}); write one JSON object a line: "
+                                  f"{formats}") from None
             if not isinstance(record, dict):
                 raise ConfigError(f"{path} line {number} is a JSON {type(record).__name__}, not an object; "
-                                  f"write one record a line: {FORMATS}")
+                                  f"write one record a line: {formats}")
             records.append((number, record))
     if not records:
-        raise ConfigError(f"{path} holds no records; write one a line: {FORMATS}")
+        raise ConfigError(f"{path} holds no records; write one a line: {formats}")
     return records
+
+
+def utf8_line(path: Path, number: int, raw: bytes) -> str:
+    """A line of a JSONL file as text: JSON is UTF-8 (a binary file, or text saved as latin-1, is not)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} line {number} is not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                          f"{e.start + 1}); save the file as UTF-8 (a latin-1 file: iconv -f latin1 -t utf-8 "
+                          f"{path.name}), or pass a JSONL file") from None
 
 
 def format_of(record: dict) -> str:
@@ -61,23 +73,24 @@ def format_of(record: dict) -> str:
 
 
 def text_problem(kind: str, record: dict) -> str:
-    """What in a record of `kind` is not the text mlx-lm's templates take ('' if nothing): a chat
-    message's content of 5 would otherwise train as the characters "5"."""
+    """What in a record of `kind` is not the text mlx-lm's templates take, and the fix ('' if nothing):
+    a chat message's content of 5 would otherwise train as the characters "5"."""
     if kind == "chat":
         messages = record["messages"]
         if not isinstance(messages, list) or not messages:
-            return '"messages" is not a list of messages'
+            return ('"messages" is not a list of messages; write it as [{"role": "user", "content": "..."}, '
+                    '{"role": "assistant", "content": "..."}]')
         fields = {}
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                return f'messages[{i}] is not a {{"role": ..., "content": ...}} object'
+                return f'messages[{i}] is not a {{"role": ..., "content": ...}} object; write it as one'
             if not (message.get("tool_calls") and message.get("content") is None):  # a tool call may have none
                 fields[f'messages[{i}]\'s "content"'] = message.get("content")
     else:
         fields = {f'"{k}"': record[k] for k in (("text",) if kind == "text" else ("prompt", "completion"))}
     for name, value in fields.items():
         if not isinstance(value, str):
-            return f"{name} is {json.dumps(value)[:40]}, not a string"
+            return f'{name} is {json.dumps(value)[:40]}, not a string; write it as text ("...")'
     return ""
 
 
@@ -94,7 +107,7 @@ def tokenize_file(path: Path, tokenizer, mask_prompt: bool) -> list:
             expected = f"like line {first_line}'s, a {kind} record" if kind else FORMATS
             raise ConfigError(f"{path} line {number} has {found}; give each line one record {expected}")
         if problem := text_problem(kind, record):
-            raise ConfigError(f"{path} line {number}: {problem}; write it as text (\"...\")")
+            raise ConfigError(f"{path} line {number}: {problem}")
     if kind != "text" and not tokenizer.has_chat_template:
         raise ConfigError(f"{path} line {first_line}: {kind} records need a chat template, and the tokenizer "
                           f"has none; use an instruct model's folder (whose tokenizer_config.json has a "

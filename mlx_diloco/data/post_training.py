@@ -15,13 +15,14 @@ loss sums the completion's log-probabilities alone. Every bad line is one Config
 the line and the fix; nothing is cut short.
 """
 
+import json
 from pathlib import Path
 
 import numpy as np
 
 from ..objectives.kinds import kind
 from ..options import ConfigError, shown
-from .datasets import VAL_FRACTION, ArrayExamples, Dataset
+from .datasets import VAL_FRACTION, ArrayExamples, Dataset, read_shard_meta, shard_indices
 from .jsonl import padded_arrays, read_records, split_files
 
 PAIR_FORMAT = '{"prompt": ..., "chosen": ..., "rejected": ...}'
@@ -139,7 +140,7 @@ def check_prompt_length(line: Line, prompt_ids: list, seq_len: int, room: int, w
 def read_pairs(path: Path, renderer: Renderer, seq_len: int) -> list:
     """[(prompt ids, chosen ids, rejected ids)] of a preference file."""
     pairs = []
-    for number, record in read_records(path):
+    for number, record in read_records(path, PAIR_FORMAT):
         line = Line(path, number, record, PAIR_FORMAT)
         prompt = pair_prompt(line)
         check_text_or_chat(line, renderer, prompt)
@@ -158,7 +159,7 @@ def read_pairs(path: Path, renderer: Renderer, seq_len: int) -> list:
 def read_prompts(path: Path, renderer: Renderer, seq_len: int, max_completion: int) -> list:
     """[(prompt ids, prompt as given, answer, answer's completion ids)] of a GRPO file."""
     prompts = []
-    for number, record in read_records(path):
+    for number, record in read_records(path, PROMPT_FORMAT):
         line = Line(path, number, record, PROMPT_FORMAT)
         prompt = line.prompt()
         check_text_or_chat(line, renderer, prompt)
@@ -181,13 +182,18 @@ def read_prompts(path: Path, renderer: Renderer, seq_len: int, max_completion: i
 
 
 class PairExamples:
-    """Preference pairs: example i is its chosen and its rejected sequence. A batch of B pairs is
-    (inputs, targets) of 2B rows, the B chosen ones first (TRL's concatenated forward)."""
+    """Preference pairs: example i is its chosen and its rejected sequence, each (inputs, targets) padded
+    to one width. A batch of B pairs is (inputs, targets) of 2B rows, the B chosen ones first (TRL's
+    concatenated forward)."""
 
-    def __init__(self, pairs: list, width: int):
-        self.count = len(pairs)
-        self.chosen = padded_arrays([(p + c, len(p)) for p, c, _ in pairs], width)
-        self.rejected = padded_arrays([(p + r, len(p)) for p, _, r in pairs], width)
+    def __init__(self, chosen: tuple, rejected: tuple):
+        self.chosen, self.rejected, self.count = chosen, rejected, len(chosen[0])
+
+    @classmethod
+    def of(cls, pairs: list, width: int) -> "PairExamples":
+        """[(prompt ids, chosen ids, rejected ids)] as padded arrays."""
+        return cls(padded_arrays([(p + c, len(p)) for p, c, _ in pairs], width),
+                   padded_arrays([(p + r, len(p)) for p, _, r in pairs], width))
 
     def __len__(self):
         return self.count
@@ -196,16 +202,28 @@ class PairExamples:
         idx = np.asarray(indices)
         return tuple(np.concatenate([c[idx], r[idx]]) for c, r in zip(self.chosen, self.rejected))
 
+    def arrays(self, indices) -> dict:
+        """Examples `indices` as the arrays a shard keeps (`from_arrays` reads them back)."""
+        idx = np.asarray(indices, np.int64)
+        return {f"{side}_{part}": array[idx] for side, pair in (("chosen", self.chosen), ("rejected", self.rejected))
+                for part, array in zip(("inputs", "targets"), pair)}
+
+    @classmethod
+    def from_arrays(cls, arrays: dict) -> "PairExamples":
+        return cls(*((arrays[f"{side}_inputs"], arrays[f"{side}_targets"]) for side in ("chosen", "rejected")))
+
 
 class PromptExamples:
     """GRPO's prompts: a batch is (the prompts' ids, right-padded, and the examples' indices), which
     the rollouts look up (objectives/grpo.py)."""
 
-    def __init__(self, prompts: list):
-        self.ids = [p for p, _, _, _ in prompts]
-        self.prompts = [prompt for _, prompt, _, _ in prompts]
-        self.answers = [answer for _, _, answer, _ in prompts]
-        self.width = max(len(p) for p in self.ids)
+    def __init__(self, prompts: list, width: int = None):
+        """`prompts`: [(prompt ids, prompt as given, answer, ...)]; `width`: the padded prompts' (default:
+        the longest prompt's; a shard keeps its whole data's, so that its batches are sim's)."""
+        self.ids = [list(p) for p, _, _, *_ in prompts]
+        self.prompts = [prompt for _, prompt, _, *_ in prompts]
+        self.answers = [answer for _, _, answer, *_ in prompts]
+        self.width = width or max(len(p) for p in self.ids)
         self.padded = np.zeros((len(self.ids), self.width), np.int32)
         for row, ids in zip(self.padded, self.ids):
             row[:len(ids)] = ids
@@ -217,14 +235,18 @@ class PromptExamples:
         idx = np.asarray(indices, np.int32)
         return self.padded[idx], idx
 
+    def records(self, indices) -> list:
+        """Examples `indices` as a shard keeps them (JSON: a prompt may be messages): [[ids, prompt, answer]]."""
+        return [[self.ids[i], self.prompts[i], self.answers[i]] for i in indices]
+
 
 class PostTrainingData(Dataset):
     """A post-training objective's data: train examples as pairs or prompts; held out, `val` (pairs,
     or each prompt with its answer as the completion: what the eval loss scores) and, for GRPO, the
     held-out prompts the greedy accuracy is measured on. `tokenizer`: mlx-lm's, for the rollouts."""
 
-    def __init__(self, train, val, tokenizer_dir, tokenizer, held_out=None):
-        super().__init__(train, val, Path(tokenizer_dir), len(tokenizer.vocab))
+    def __init__(self, train, val, tokenizer_dir, tokenizer, held_out=None, is_shard=False):
+        super().__init__(train, val, Path(tokenizer_dir), len(tokenizer.vocab), is_shard=is_shard)
         self.tokenizer, self.held_out = tokenizer, held_out
 
     def tokens_per_example(self):
@@ -265,8 +287,51 @@ def load_post_training(objective: str, source: str, tokenizer_dir: str, seq_len:
     train, valid = (train, read(files["valid"])) if "valid" in files else held_out(train, files, log)
     if not prompts:
         width = max(len(p) + max(len(c), len(r)) for p, c, r in train + valid) - 1
-        return PostTrainingData(PairExamples(train, width), PairExamples(valid, width), tokenizer_dir, tokenizer)
+        return PostTrainingData(PairExamples.of(train, width), PairExamples.of(valid, width), tokenizer_dir, tokenizer)
     # held out: each prompt with its answer as the completion (the eval loss: the answer's NLL)
     width = max(len(p) for p, _, _, _ in train + valid) + max_completion - 1
     answers = ArrayExamples(*padded_arrays([(p + a, len(p)) for p, _, _, a in valid], width))
     return PostTrainingData(PromptExamples(train), answers, tokenizer_dir, tokenizer, held_out=PromptExamples(valid))
+
+
+# ---------------------------------------------------------------- shards shipped to cluster workers
+
+def write_post_training_shard(data: PostTrainingData, worker: int, num_workers: int, folder: Path) -> Path:
+    """Worker `worker`'s shard of post-training data, as datasets.write_shard cuts text and arrays: its
+    train examples in shard order (pairs as their padded arrays; prompts with their answers, and the
+    width sim pads them to), and the whole held-out split (pairs; GRPO's prompts and their answers as
+    completions): the first eval-sequences of it are every run's. No tokenizer: a worker loads its
+    model, tokenizer included, from its own disk."""
+    ids = shard_indices(len(data.train), worker, num_workers)
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = {"worker": worker, "num_workers": num_workers, "examples": "pairs"}
+    if isinstance(data.train, PairExamples):
+        arrays = {**{f"train_{k}": v for k, v in data.train.arrays(ids).items()},
+                  **{f"val_{k}": v for k, v in data.val.arrays(range(len(data.val))).items()}}
+    else:
+        meta.update(examples="prompts", width=data.train.width)
+        arrays = dict(zip(("val_inputs", "val_targets"), data.val.get(np.arange(len(data.val)))))
+        (folder / "prompts.json").write_text(json.dumps({"train": data.train.records(ids),
+                                                         "held_out": data.held_out.records(range(len(data.held_out)))}))
+    for name, array in arrays.items():
+        np.save(folder / f"{name}.npy", np.ascontiguousarray(array))
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder
+
+
+def load_post_training_shard(folder: Path, tokenizer_dir: str) -> PostTrainingData:
+    """The shard write_post_training_shard wrote into `folder`, read with the tokenizer of the model
+    this worker loads (`tokenizer_dir`)."""
+    from mlx_lm.utils import load_tokenizer
+    folder = Path(folder)
+    meta = read_shard_meta(folder)
+    arrays = {p.stem: np.load(p) for p in folder.glob("*.npy")}
+    tokenizer = load_tokenizer(Path(tokenizer_dir))
+    if meta.get("examples") == "pairs":
+        pairs = lambda split: PairExamples.from_arrays(  # noqa: E731
+            {k.removeprefix(f"{split}_"): v for k, v in arrays.items() if k.startswith(f"{split}_")})
+        return PostTrainingData(pairs("train"), pairs("val"), tokenizer_dir, tokenizer, is_shard=True)
+    prompts = json.loads((folder / "prompts.json").read_text())
+    answers = ArrayExamples(arrays["val_inputs"], arrays["val_targets"])
+    return PostTrainingData(PromptExamples(prompts["train"], meta["width"]), answers, tokenizer_dir, tokenizer,
+                            held_out=PromptExamples(prompts["held_out"]), is_shard=True)

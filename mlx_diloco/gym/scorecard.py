@@ -154,16 +154,34 @@ def describe(card: dict) -> str:
     ] + [f"  {card[c.objective]}: {post_training(card)}"] * kind(card.get(c.objective, DEFAULT)).post_training)
 
 
+ACCURACY_NAMES = {ROW.eval_accuracy: "held-out accuracy (greedy)", ROW.eval_pair_accuracy: "held-out pairs chosen over "
+                  "rejected", ROW.eval_reward_accuracy: "DPO reward accuracy"}
+
+
 def post_training(card: dict) -> str:
     """A post-training run's held-out accuracies, start to end, and its generation, in a line."""
-    said = {CARD.eval_accuracy: "held-out accuracy (greedy)", CARD.eval_pair_accuracy: "held-out pairs chosen over rejected",
-            CARD.eval_reward_accuracy: "DPO reward accuracy"}
-    parts = [f"{said[key]} {fmt(card[start], 'points')} -> {fmt(card[key], 'points')}"
+    parts = [f"{ACCURACY_NAMES[key]} {fmt(card[start], 'points')} -> {fmt(card[key], 'points')}"
              for key, start in ACCURACIES.items() if card.get(key) is not None]
-    if card.get(CARD.tokens_generated) is not None:
-        parts.append(f"{fmt(card[CARD.tokens_generated])} tokens generated; per worker {fmt(card[CARD.generate_s], 's')} "
-                     f"generating, {fmt(card[CARD.train_s], 's')} training")
-    return "; ".join(parts)
+    return "; ".join(filter(None, parts + [generation(card)]))
+
+
+def post_training_summary(s: dict) -> str:
+    """A post-training run's summary in a line ('' for another run): its held-out accuracies at the end,
+    the chosen answers' log-probability (DPO, ORPO) and its generation (GRPO)."""
+    parts = [f"{ACCURACY_NAMES[key]} {fmt(s[key], 'points')}" for key in ACCURACIES if s.get(key) is not None]
+    if s.get(ROW.eval_logps_chosen) is not None:
+        parts.append(f"chosen answers' log-probability {s[ROW.eval_logps_chosen]:.3f}")
+    return "; ".join(filter(None, parts + [generation(s)]))
+
+
+def generation(s: dict) -> str:
+    """What a GRPO run's generating cost, in a line (a scorecard, a summary; '' for a run that generates
+    nothing): the completion tokens generated and trained, and the seconds generating against training
+    per worker."""
+    if s.get(ROW.tokens_generated) is None:
+        return ""
+    return (f"{fmt(s[ROW.tokens_generated])} tokens generated, {fmt(s.get(ROW.tokens_trained))} trained; per worker "
+            f"{fmt(s.get(ROW.generate_s), 's')} generating, {fmt(s.get(ROW.train_s), 's')} training")
 
 
 def time_split(s: dict) -> str:

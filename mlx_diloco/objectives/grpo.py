@@ -132,9 +132,11 @@ class GRPO(Objective):
     def check_model(cls, config, spec):
         """GRPO samples with mlx-lm's generation, which needs an mlx-lm model (its KV cache)."""
         if spec.type in ("gpt", "cnn", "python"):
+            # (a preset has no tokenizer of its own: suggested only beside one)
+            preset = ", or a preset of an mlx-lm type such as llama-tiny" if config.tokenizer else ""
             raise ConfigError(f"objective grpo samples completions with mlx-lm's generation, which the {spec.type} "
-                              "model cannot run; pass an mlx-lm model (a model folder, or a preset of an mlx-lm type "
-                              "such as llama-tiny)")
+                              f"model cannot run; pass an mlx-lm model folder (with its tokenizer; or a Hugging Face "
+                              f"model ORG/NAME){preset}")
 
     @classmethod
     def notes(cls, config) -> list:

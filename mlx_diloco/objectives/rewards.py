@@ -15,7 +15,7 @@ last number equals the answer's; `format` 1 when it matches --reward-format whol
 `length` DAPO's soft overlong punishment (TRL's get_soft_overlong_punishment): 0 up to 3/4 of
 max-completion-length tokens, then falling linearly to -1 at it.
 
-A file that cannot be loaded, and a function that raises or returns NaN mid-run, are each one line
+A file that cannot be loaded, and a function that raises or returns NaN or inf mid-run, are each one line
 naming the file or the function and the line or the prompt (a RewardError stops the run; the run
 keeps its last checkpoint). MLX-free.
 """
@@ -37,7 +37,7 @@ SIGNATURE = "f(prompts, completions, answer, **kwargs) -> list of floats"
 
 
 class RewardError(ConfigError):
-    """A reward function failed mid-run (raised, or returned NaN or something else than numbers)."""
+    """A reward function failed mid-run (raised, or returned NaN, inf or something else than numbers)."""
 
 
 def exact_answer(prompts, completions, answer, **kwargs):
@@ -77,16 +77,17 @@ def load_reward_file(path) -> dict:
     """{name: function} of the public functions a Python file defines, in its order; one ConfigError
     line for a file that is missing, does not load (the line that failed), or defines none."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"reward file {path} does not exist; pass a Python file of functions {SIGNATURE}")
+    if why := reward_file_problem(path):
+        raise ConfigError(why)
     name = f"mlx_diloco_rewards_{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # as an import: dataclasses and pickling find it
     try:
         spec.loader.exec_module(module)
-    except SyntaxError as e:
-        raise ConfigError(f"{path} line {e.lineno}: {e.msg}; the reward file must be valid Python") from None
+    except SyntaxError as e:  # (a NUL byte's has no line number)
+        raise ConfigError(f"{path} line {e.lineno or first_nul_line(path)}: {e.msg}; the reward file must be "
+                          "valid Python") from None
     except Exception as e:  # the user's code, at import: its line in the file
         line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__))
                      if Path(f.filename).resolve() == path.resolve()), "?")
@@ -99,6 +100,24 @@ def load_reward_file(path) -> dict:
     for fn_name, fn in functions.items():
         check_signature(path, fn_name, fn)
     return functions
+
+
+def reward_file_problem(path: Path) -> str:
+    """Why `path` cannot be loaded as a reward file ('' if it can): Python imports a .py file only."""
+    if path.is_dir():
+        return f"reward file {path} is a folder; pass a Python file (.py) of functions {SIGNATURE}"
+    if not path.is_file():
+        return f"reward file {path} does not exist; pass a Python file (.py) of functions {SIGNATURE}"
+    if path.suffix != ".py":
+        return (f"reward file {path} is not a .py file; pass a Python file of functions {SIGNATURE} (name it "
+                f"{path.stem or 'rewards'}.py)")
+    return ""
+
+
+def first_nul_line(path: Path):
+    """The line of the file's first NUL byte ('?' without one)."""
+    data = path.read_bytes()
+    return data.count(b"\n", 0, data.index(b"\0")) + 1 if b"\0" in data else "?"
 
 
 def check_signature(path, name: str, fn):
@@ -155,10 +174,11 @@ class Rewards:
             for i, value in enumerate(values):
                 if value is None:
                     continue
-                if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or math.isnan(value):
+                if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) \
+                        or not math.isfinite(value):  # an inf reward would make every advantage NaN
                     raise RewardError(f"reward '{name}'{self.source} returned {value!r} for prompt "
-                                      f"{shown(prompts[i])} (completion {shown(completions[i])}); return a number, "
-                                      "or None where it does not apply")
+                                      f"{shown(prompts[i])} (completion {shown(completions[i])}); return a finite "
+                                      "number, or None where it does not apply")
                 scores[i, j] = value
         total = np.nansum(scores * self.weights, axis=1)
         return np.where(np.isnan(scores).all(axis=1), np.nan, total)

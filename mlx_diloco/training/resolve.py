@@ -9,7 +9,7 @@ from pathlib import Path
 from ..run_folder import latest_step
 from ..config import DEFAULT_MAX_SEQ_LEN, ConfigError, TrainConfig
 from ..data.datasets import EMBEDDED, FASHION_MNIST, is_fashion_mnist_folder, load_shard, prepare
-from ..data.post_training import load_post_training
+from ..data.post_training import load_post_training, load_post_training_shard
 from ..models.finetune import adapted_blocks, check_fine_tune
 from ..models.zoo import build_model, import_builder, load_spec
 from ..objectives import kind as objective_kind, objective_class
@@ -105,10 +105,13 @@ def resolve(config: TrainConfig) -> Resolved:
 def load_data(config: TrainConfig, spec, log=print, shard_dir=None):
     """The corpus named in the config (tokenized, cached), or a shard shipped to this worker."""
     tokenizer = config.tokenizer or (str(spec.path) if spec.path else "")
-    if shard_dir:
+    post_training = objective_kind(config.objective).post_training  # preference pairs or prompts
+    if shard_dir and post_training:
+        data = load_post_training_shard(shard_dir, tokenizer)
+    elif shard_dir:
         data = load_shard(shard_dir)
-    elif (objective := objective_kind(config.objective)).post_training:  # preference pairs or prompts
-        data = load_post_training(objective.name, config.data, tokenizer, config.seq_len,
+    elif post_training:
+        data = load_post_training(config.objective, config.data, tokenizer, config.seq_len,
                                   config.max_completion_length, log)
     else:
         data = prepare(config.data, config.seq_len, spec.vocab_size or 0, tokenizer, log=log,

@@ -9,6 +9,7 @@ when they are due. `Run.train()` steps to the end.
 """
 
 import json
+import math
 import shutil
 import time
 from contextlib import contextmanager
@@ -312,6 +313,8 @@ class Run:
             with self.clock.part(TIME.eval_s):
                 self.evaluate(self.reports.take_train_losses(), worker_losses)
         if t % self.checkpoint_every == 0 or t == c.steps:
+            if not evaluate:  # a checkpoint keeps no global model that diverged since the last evaluation
+                self._global_eval_loss()
             with self._stop_on_non_finite(t), self.clock.part(TIME.save_s):
                 self.save_checkpoint()
 
@@ -382,6 +385,17 @@ class Run:
         except RewardError as e:
             raise ConfigError(f"step {step}: {e}; the run stops ({self._kept()})") from None
 
+    def _global_eval_loss(self) -> float:
+        """The global model's eval loss (the reporter's to compute; 0 in another process). A NaN or inf
+        one is divergence (an outer step too large leaves the weights finite and the logits not): every
+        process stops before the model is checkpointed."""
+        loss = self.workers.eval_params(self.global_params(), self.eval_batches) if self.reporter else 0.0
+        if not all(map(math.isfinite, self.comm.gather_metric(mx.full((self.comm.n_local,), loss)))):
+            raise ConfigError(f"step {self.steps_done}: the global model's eval loss is not finite: training "
+                              f"diverged, and the run stops before it is checkpointed ({self._kept()}); lower --lr or "
+                              "--outer-lr, or raise --warmup")
+        return loss
+
     def _kept(self) -> str:
         last = latest_step(self.checkpoint_dir)
         return f"its last checkpoint (step {last}) is intact" if last else "no checkpoint was written"
@@ -399,8 +413,8 @@ class Run:
         self.peak_memory = self._peak_memory()
         spent = self.clock.job_spent()
         objective = self.objective.report(self.context)  # every process: it gathers the workers' values
+        global_loss = self._global_eval_loss()
         if self.reporter:
-            global_loss = self.workers.eval_params(self.global_params(), self.eval_batches)
             self._report("on_val_loss_report", self.reports.row(
                 global_loss, worker_losses, train_losses, spent, self.peak_memory, self._last_evaluation(), objective))
 

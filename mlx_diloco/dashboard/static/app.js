@@ -1,6 +1,7 @@
 // The dashboard's page: asks the server for the run (api/run) every second, until the run has its
-// summary, and draws it: the ring, the workers, loss against steps and against wall-clock time
-// (with the events as dashed lines), the exchanges and the events. Charts by uPlot (static/vendor).
+// summary, and draws it: a post-training run's held-out accuracy, reward and KL, and what generating
+// cost (a collapse said above all), the ring, the workers, loss against steps and against wall-clock
+// time (with the events as dashed lines), the exchanges and the events. Charts by uPlot (static/vendor).
 // What the page shows is also in data- attributes (counts, states), for tests and scripts.
 "use strict";
 
@@ -115,7 +116,7 @@ function renderTimeNote(workers) {
   const note = document.getElementById("time-note"), compute = TIME_PARTS.findIndex(([key]) => key === COMPUTE);
   note.replaceChildren(...(!total ? ["where the time went: no step yet"] : ["all workers:",
     ...TIME_PARTS.map(([, name], i) => sums[i] ? el("span", {}, el("span", { className: "key",
-      style: `background:${TIME_COLORS[i]}` }), `${name} ${(100 * sums[i] / total).toFixed(1)}%`) : null),
+      style: `background:${TIME_COLORS[i]}` }), `${name} ${(100 * sums[i] / total).toFixed(1)}%`) : ""),
     mfus.length ? ` · MFU ${(100 * mfus.reduce((a, b) => a + b, 0) / mfus.length).toFixed(1)}%` : ""]));
   note.dataset.compute = total ? sums[compute] / total : "";
 }
@@ -194,6 +195,86 @@ function renderLoss(run) {
   document.getElementById("loss-time").dataset.markers = events.length;
 }
 
+// ------------------------------------------------------------ post-training (a run with an objective)
+// Each objective's curves against steps (its metrics rows' keys, records.OBJECTIVE, whose help the server
+// sends as metric_help): [key, name, colour, scale]; a chart's first scale is on its left, a second on
+// its right. Held out: GRPO's greedy accuracy (and reward), DPO's and ORPO's pair accuracy beside the
+// chosen answers' log-probability (a preference learnt by unlearning the answer shows there); GRPO's
+// training reward and KL to the reference.
+const POST_CURVES = {
+  grpo: { held: [["eval_accuracy", "held-out accuracy", "#16a34a", "share"], ["eval_reward", "held-out reward", "#d97706", "reward"]],
+          reward: [["reward", "reward", "#2563eb", "reward"], ["kl", "KL to the reference", "#dc2626", "kl"]] },
+  pairs: { held: [["eval_pair_accuracy", "held-out pair accuracy", "#16a34a", "share"],
+                  ["eval_logps_chosen", "chosen answers' log-probability", "#7c3aed", "nats"]] },
+};
+const WORK_COLORS = { generate: "#0d9488", train: "#16a34a" };  // as the time bars' generation and compute
+
+function postChart(id, curves) {
+  const box = document.getElementById(id), scales = [...new Set(curves.map(c => c[3]))];
+  const series = [{ label: "step" }, ...curves.map(([, label, stroke, scale]) =>
+    ({ label, stroke, scale, width: 2, spanGaps: true, points: { show: true, size: 5 } }))];
+  const axes = [{ label: "step" }, ...scales.map((scale, i) => ({ scale, side: i ? 1 : 3, grid: { show: !i },
+    label: curves.filter(c => c[3] === scale).map(c => c[1]).join(", ") }))];
+  return new uPlot({ width: box.clientWidth || 500, height: 240, series, axes, legend: { live: true },
+    scales: { x: { time: false }, share: { range: [0, 1] } } }, [[], ...curves.map(() => [])], box);
+}
+
+function renderPostTraining(run) {
+  const objective = (run.config || {}).objective || "sft", section = document.getElementById("post-section");
+  section.hidden = objective === "sft";
+  section.dataset.objective = objective;
+  if (section.hidden) return;
+  const grpo = objective === "grpo", curves = POST_CURVES[grpo ? "grpo" : "pairs"], help = run.metric_help || {};
+  document.getElementById("post-objective").textContent = grpo ?
+    "GRPO: completions sampled, rewarded and trained on" : `${objective.toUpperCase()} on preference pairs`;
+  const rows = (run.metrics || []).filter(r => typeof r.step === "number");
+  document.getElementById("post-reward-box").hidden = !curves.reward;
+  for (const [part, id] of [["held", "post-held-out"], ["reward", "post-reward"]]) {
+    if (!curves[part]) continue;
+    const box = document.getElementById(id);
+    charts[id] = charts[id] || postChart(id, curves[part]);
+    const shown = rows.filter(r => curves[part].some(([key]) => typeof r[key] === "number"));
+    charts[id].setData([shown.map(r => r.step), ...curves[part].map(([key]) => shown.map(r => r[key] ?? null))]);
+    box.dataset.points = shown.length;
+    box.title = curves[part].map(([key, name]) => `${name}: ${help[key] || key}`).join("\n");
+  }
+  renderWork(rows.filter(r => typeof r.tokens_trained === "number").pop());
+  renderCollapse(rows);
+}
+
+// Generation counted as work: the tokens generated and trained, and the time generating against training
+// (a worker's mean, GRPO's); DPO's reference passes.
+function renderWork(row) {
+  const note = document.getElementById("post-work");
+  note.dataset.generateShare = "";
+  if (!row) { note.textContent = "no step yet"; return; }
+  if (typeof row.tokens_generated !== "number") {
+    note.textContent = `${count(row.tokens_trained)} completion tokens trained, all workers` +
+      (typeof row.reference_s === "number" ? ` · reference passes ${seconds(row.reference_s)} per worker` : "");
+    return;
+  }
+  const generating = row.generate_s || 0, training = row.train_s || 0, total = generating + training;
+  const share = total ? generating / total : 0;
+  note.dataset.generateShare = share;
+  note.replaceChildren(`${count(row.tokens_generated)} tokens generated, ${count(row.tokens_trained)} trained, all workers ` +
+    `· per worker: generating ${seconds(generating)}, training ${seconds(training)}`,
+    el("span", { className: "work", title: `generating ${(100 * share).toFixed(1)}% of the time, training the rest` },
+      el("i", { style: `width:${100 * share}%;background:${WORK_COLORS.generate}` }),
+      el("i", { style: `width:${100 * (1 - share)}%;background:${WORK_COLORS.train}` })),
+    `${(100 * share).toFixed(0)}% generating`);
+}
+
+// GRPO's collapse (a metrics row's `collapse`: why, or ''): the newest said as a warning above the page,
+// and whether the rows since have recovered (accuracy and reward back above half their best).
+function renderCollapse(rows) {
+  const last = rows.filter(r => r.collapse).pop(), newest = rows[rows.length - 1], box = document.getElementById("collapse");
+  const recovered = last && newest.step > last.step && !newest.collapse;
+  box.hidden = !last;
+  box.dataset.step = last ? last.step : "";
+  box.className = "collapse" + (recovered ? " recovered" : "");
+  box.textContent = !last ? "" : `step ${last.step}: ${last.collapse}` + (recovered ? ` (recovered by step ${newest.step})` : "");
+}
+
 function renderExchanges(run) {
   const rows = run.exchanges || [];
   const sent = rows.reduce((a, r) => a + (r.sent_bytes || 0), 0), blocked = rows.reduce((a, r) => a + (r.blocked_s || 0), 0);
@@ -232,7 +313,8 @@ async function poll() {
     const answer = await fetch(API, { cache: "no-store" });
     if (!answer.ok) throw new Error(answer.status === 403 ? "forbidden: open the URL with its ?token=" : "HTTP " + answer.status);
     const run = await answer.json();
-    for (const part of [renderHeader, renderRing, renderWorkers, renderLoss, renderExchanges, renderEvents]) part(run);
+    for (const part of [renderHeader, renderPostTraining, renderRing, renderWorkers, renderLoss, renderExchanges,
+      renderEvents]) part(run);
     finished = Boolean(run.summary);
     const age = run.status ? run.time - run.status.time : null;
     setConnection(finished ? "finished" : age !== null && age > 30 ? `no news for ${Math.round(age)} s: stopped?` :
@@ -246,8 +328,9 @@ async function poll() {
 }
 
 window.addEventListener("resize", () => {
-  for (const [id, chart] of [["loss-steps", charts.steps], ["loss-time", charts.time]]) {
-    if (chart) chart.setSize({ width: document.getElementById(id).clientWidth, height: 260 });
+  for (const [id, chart, height] of [["loss-steps", charts.steps, 260], ["loss-time", charts.time, 260],
+    ["post-held-out", charts["post-held-out"], 240], ["post-reward", charts["post-reward"], 240]]) {
+    if (chart) chart.setSize({ width: document.getElementById(id).clientWidth, height });
   }
 });
 poll();
