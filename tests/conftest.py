@@ -1,7 +1,33 @@
+import inspect
 import os
 import sys
 
 import pytest
+
+# A test that compares two float computations (vmapped and not, a cluster and sim, a run and a number
+# measured on one machine) must hold under every OpenBLAS kernel: another CPU's sums in another order
+# (OPENBLAS_CORETYPE). `scripts/test --blas-kernels` runs the tests marked `blas` under each kernel.
+# A test is marked by what it calls (FLOAT_COMPARISONS); mark one by hand (@pytest.mark.blas) that
+# compares through a helper of its own, and @pytest.mark.measured one whose comparison is of a
+# measurement (a rate, a time: the machine's load moves it, not a kernel). A tolerance is measured
+# from the kernels' spread (docs/layout.md).
+FLOAT_COMPARISONS = ("assert_allclose", "approx(", "allclose(", "isclose(", "assert_same_arrays", "assert_same(",
+                     "assert_array_equal", "assert_trees_close", "assert_same_params", "assert_final_loss")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "blas: compares float computations, so must hold under every OpenBLAS kernel "
+                                       "(scripts/test --blas-kernels)")
+    config.addinivalue_line("markers", "measured: compares a measurement (a rate, a time), not float computations")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        function = getattr(item, "function", None)
+        if function is not None and not item.get_closest_marker("measured") and \
+                any(name in inspect.getsource(function) for name in FLOAT_COMPARISONS):
+            item.add_marker(pytest.mark.blas)
+
 
 # Keep the token cache of the whole test session in one temporary folder.
 @pytest.fixture(scope="session", autouse=True)

@@ -129,6 +129,7 @@ def cli(*args, timeout=180):
 
 
 @needs_namespaces
+@pytest.mark.measured
 def test_links_measure_the_shaped_rates_and_order_the_ring(tmp_path):
     # Four hosts on a bridge at 1 Gbit/s; host1 and host2 also share a "Thunderbolt" cable at 100 Mbit/s.
     # Counting cables puts host1 and host2 side by side; the measurements keep them apart.
