@@ -147,7 +147,7 @@ def test_a_timeline_without_a_member_until_a_sync_is_one_line():
 
 def test_a_leaver_loses_its_round_and_a_joiner_starts_from_the_global_model(tmp_path):
     said = []
-    run = run_of(config(compress="fp32", outer_lr=0.7), tmp_path / "r", said)
+    run = run_of(config(compress="fp32", outer_lr=0.7, outer_momentum=0.9), tmp_path / "r", said)
     fragment = run.strategy.model_fragments[0]
     # (a) the sync at step 8 is the outer step on the 3 survivors' mean pseudo-gradient (numpy)
     step_to(run, 5)

@@ -287,10 +287,8 @@ class Launcher:
         check_bounds(options, config.workers)
         check_model_here(config.model)
         run_dir, resolved = Path(run_dir), resolve(config)
-        config = resolved.config  # the workers are sent it as resolved: the launcher says its notes
+        config = resolved.config  # the workers are sent it as resolved
         check_reward_file(config)
-        for note in resolved.notes:
-            log(f"[launch] {note}")
         elastic = is_elastic(resolved.strategy)
         grown, history = with_room_to_grow(config, options.max_workers, elastic)
         if (run_dir / "launch.json").exists():
@@ -300,6 +298,8 @@ class Launcher:
         check_memory(config, resolved.strategy, agents)
         mlx_hostfile = mlx_file.to_json() if mlx_file else {}
         plan_start(options.backend, agents, [f.address for f in reachable], mlx_hostfile)  # --backend jaccl: now
+        for note in resolved.notes:  # once every check passed: a refusal is its one line
+            log(f"[launch] {note}")
         if mlx_file and mlx_file.envs:
             log(f"[launch] the hostfile's envs ({' '.join(mlx_file.envs)}) are not passed to the workers (an agent "
                 "starts nothing but its worker); set them in each agent's environment")
