@@ -21,6 +21,8 @@ that meets the peers).
 """
 
 import json
+import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -122,7 +124,8 @@ class Elastic:
         lose it). Written by a thread of its own while the run trains on (the run's step does not wait
         for the disk: bench/cluster_streaming.py), one save at a time, unless `at_once`, or the memory
         limit has no room for the state the save holds meanwhile (the step makes new weights and moments
-        beside it), or the strategy's outer state waits in files (offload-outer: read one array at a time)."""
+        beside it), or the strategy's outer state waits in files (offload-outer: read one array at a time).
+        On Linux the writing thread runs at the lowest priority: the run's own threads first."""
         step = self.clock.steps
         if step in (self.saved_step, latest_step(self.checkpoint_dir)):
             return
@@ -138,6 +141,8 @@ class Elastic:
             self.saved_step = step
 
     def _write(self, step: int, staged: dict, meta: dict):
+        if sys.platform == "linux":  # a thread is a task of its own there: the run's threads come first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
             checkpoint.save(self.checkpoint_dir, step, staged, meta, durable=False)
         except BaseException as e:  # said where the run next waits for it (finish_saves)
