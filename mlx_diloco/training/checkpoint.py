@@ -18,11 +18,12 @@ leaves the previous checkpoint in force. A checkpoint of another layout is one C
 import json
 import os
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ..atomic import atomic_write_text
 from ..config import ConfigError
@@ -36,27 +37,48 @@ SAFETENSORS_DTYPES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16",
                       mx.uint16: "U16", mx.uint32: "U32", mx.uint64: "U64", mx.bool_: "BOOL"}
 
 
+@dataclass
+class Staged:
+    """An array ready to be written by any thread: its safetensors dtype and its values as a numpy
+    view (no copy) of the evaluated MLX array, which it keeps alive (`stage`)."""
+    dtype: str
+    values: np.ndarray
+
+    @classmethod
+    def of(cls, a: mx.array) -> "Staged":
+        bits = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a  # (numpy has no bf16: its bits)
+        mx.eval(bits)
+        return cls(SAFETENSORS_DTYPES[a.dtype], np.asarray(bits))
+
+
+def stage(arrays: dict) -> dict:
+    """The tree with every array Staged: evaluated here, on the thread that runs MLX, so that another
+    thread may write it (`save` touches no MLX for a staged tree)."""
+    return tree_map(Staged.of, arrays)
+
+
 def write_safetensors(path: Path, flat: dict, metadata: dict):
-    """mx.save_safetensors, one array at a time: `flat` (path -> array) is emptied as it is
+    """mx.save_safetensors, one array at a time: `flat` (path -> array, or Staged) is emptied as it is
     written, so arrays that are lazy reads of other files (an offloaded outer state) are in memory
     one at a time. mx.save_safetensors holds them all: 6.6 GB above the training peak at 1B."""
     header, offset = {"__metadata__": metadata}, 0
     for key, a in flat.items():
-        header[key] = {"dtype": SAFETENSORS_DTYPES[a.dtype], "shape": list(a.shape),
-                       "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
+        dtype, nbytes = (a.dtype, a.values.nbytes) if isinstance(a, Staged) else (SAFETENSORS_DTYPES[a.dtype], a.nbytes)
+        header[key] = {"dtype": dtype, "shape": list(a.values.shape if isinstance(a, Staged) else a.shape),
+                       "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the format aligns the data to 8 bytes
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(head)) + head)
         for key in list(flat):
             a = flat.pop(key)
-            f.write(np.ascontiguousarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a).data)
+            f.write(np.ascontiguousarray(a.values if isinstance(a, Staged) else Staged.of(a).values).data)
 
 
 def save(folder: Path, step: int, arrays: dict, meta: dict, durable: bool = True):
-    """Checkpoint `step` in `folder`: `arrays`, the nested tree of mx.arrays (see above), is emptied
-    as it is written (pass it inline: see write_safetensors); `meta` holds records.META's keys
+    """Checkpoint `step` in `folder`: `arrays`, the nested tree of mx.arrays (see above; or `stage`d:
+    then any thread may save it), is emptied as it is written (pass it inline: see write_safetensors); `meta` holds records.META's keys
     but layout and step, which are added here. `durable=False` leaves the files to the page cache
     (no fsync): for a state this machine's next process reads (an elastic worker's own), which a
     process's death does not lose; after a machine's crash a torn one is passed over (`load`)."""

@@ -7,7 +7,9 @@ a lost worker:
   at the next sync point (a machine joins there); a planned membership schedule stops the ring
   where it changes;
 - a worker saves its own state, without a collective (a peer may be gone), before every step that
-  meets its peers (a lost peer there would otherwise cost it its round) and where it stops;
+  meets its peers (a lost peer there would otherwise cost it its round), written in the background
+  while it trains on, where its memory has room for the state it holds meanwhile; and where it
+  stops, at once;
 - a new ring's workers are brought to one round: joiners, and a worker whose saved state misses a
   sync the others took, take the job's state from a member over the ring.
 
@@ -19,6 +21,9 @@ that meets the peers).
 """
 
 import json
+import os
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -59,16 +64,19 @@ class Elastic:
     communicator, pacing (the membership timeline), strategy, workers and exchange ledger; `clock`:
     the run's steps done and compute time (clock.py), which a joiner takes from a member; `samplers`:
     each local worker's data cursor, over the shards of `data_slots`; `snapshot()`: the run's state
-    as a checkpoint keeps it, (arrays, meta), which it saves in `checkpoint_dir`."""
+    as a checkpoint keeps it, (arrays, meta), which it saves in `checkpoint_dir`; `memory_limit`:
+    the bytes the run may use (0: no limit)."""
 
     def __init__(self, job, comm, pacing, strategy, workers, ledger, clock, samplers, data_slots: list,
-                 batch_size: int, checkpoint_dir: Path, snapshot, log=print):
+                 batch_size: int, checkpoint_dir: Path, snapshot, memory_limit: float = 0, log=print):
         self.job, self.comm, self.pacing, self.strategy, self.workers = job, comm, pacing, strategy, workers
         self.ledger, self.clock, self.samplers, self.data_slots = ledger, clock, samplers, data_slots
         self.batch_size, self.checkpoint_dir, self.snapshot, self.log = batch_size, Path(checkpoint_dir), snapshot, log
         self.ring = job.ring_slots                         # the job's slot of each worker of this ring
         self.slots = [self.ring[w] for w in comm.local_workers]
         self.stop_requests = StopRequests(job.control) if job.control else None
+        self.memory_limit = memory_limit  # bytes the run may use (0: no limit)
+        self.saved_step, self.writer, self.write_failed = None, None, None  # the last local save, being written
 
     # ------------------------------------------------------------ the seams
     def start(self):
@@ -83,7 +91,8 @@ class Elastic:
         if not self.stop_requests:
             return
         if why := self.why_stop():
-            self.save_local_state()
+            self.save_local_state(at_once=True)
+            self.finish_saves()
             self.report_stop(why)
             raise StoppedForChange(why)
         if meets_peers:
@@ -107,16 +116,51 @@ class Elastic:
         a leave at the next."""
         return any((c.worker in self.ring) != c.joined for c in self.pacing.ring_changes(step))
 
-    def save_local_state(self):
+    def save_local_state(self, at_once: bool = False):
         """This worker's own state (weights, moments, data cursor, the global model and outer state,
         an exchange in flight) on its own disk, with no collective: a peer may be gone. What it resumes
-        from after a membership change, so it keeps the inner steps it took: this machine's next process
+        from after a membership change, so it keeps the inner steps it took. This machine's next process
         reads it, so it is left to the page cache (not synced to the disk: a process's death does not
-        lose it, and the sync cost more than the save itself, bench/cluster_streaming.py)."""
-        if latest_step(self.checkpoint_dir) != self.clock.steps:
-            with self.clock.part(TIME.save_s):
-                arrays, meta = self.snapshot()
-                checkpoint.save(self.checkpoint_dir, self.clock.steps, arrays, meta, durable=False)  # empties `arrays`
+        lose it). Written by a thread of its own while the run trains on (the run's step does not wait
+        for the disk: bench/cluster_streaming.py), one save at a time, unless `at_once`, or the memory
+        limit has no room for the state the save holds meanwhile (the step makes new weights and moments
+        beside it), or the strategy's outer state waits in files (offload-outer: read one array at a time).
+        On Linux the writing thread runs at the lowest priority: the run's own threads first."""
+        step = self.clock.steps
+        if step in (self.saved_step, latest_step(self.checkpoint_dir)):
+            return
+        with self.clock.part(TIME.save_s):
+            self.finish_saves()
+            arrays, meta = self.snapshot()
+            if at_once or self.strategy.offloads_outer or not self._room_for(arrays):
+                checkpoint.save(self.checkpoint_dir, step, arrays, meta, durable=False)  # empties `arrays`
+            else:
+                staged = checkpoint.stage(arrays)
+                self.writer = threading.Thread(target=self._write, args=(step, staged, meta), name="local save")
+                self.writer.start()
+            self.saved_step = step
+
+    def _write(self, step: int, staged: dict, meta: dict):
+        if sys.platform == "linux":  # a thread is a task of its own there: the run's threads come first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        try:
+            checkpoint.save(self.checkpoint_dir, step, staged, meta, durable=False)
+        except BaseException as e:  # said where the run next waits for it (finish_saves)
+            self.write_failed = e
+
+    def finish_saves(self):
+        """Wait for the save being written, if any (before another save, a checkpoint, a stop)."""
+        if self.writer is not None:
+            self.writer.join()
+            self.writer = None
+        if self.write_failed is not None:
+            failed, self.write_failed = self.write_failed, None
+            raise failed
+
+    def _room_for(self, arrays: dict) -> bool:
+        """Whether the memory limit (none: room) holds the run's peak and the state a save holds."""
+        held = sum(v.nbytes for _, v in tree_flatten(arrays))
+        return not self.memory_limit or mx.get_peak_memory() + held <= self.memory_limit
 
     def report_stop(self, why: str):
         """Tell the launcher (through the progress file its agent reads) where this worker stopped and

@@ -176,7 +176,8 @@ class Run:
         # An elastic cluster's ring (training/elastic.py): its workers brought to one round as it starts.
         self.elastic = Elastic(job, comm, self.pacing, self.strategy, self.workers, self.ledger, self.clock,
                                self.samplers, self.data_workers, config.batch_size, self.checkpoint_dir,
-                               snapshot=self.state, log=log) if job.ring_slots else None
+                               snapshot=self.state, memory_limit=config.memory_limit * 1e9, log=log) \
+            if job.ring_slots else None
         if self.elastic:
             self.elastic.start()
         self.callbacks = self._own_callbacks(resume) + list(callbacks or [])
@@ -464,6 +465,8 @@ class Run:
         self.objective.load_state(meta.get(OPTIONAL_META.objective) or {})
 
     def save_checkpoint(self):
+        if self.elastic:  # a local save being written first (the newest checkpoint is the last written)
+            self.elastic.finish_saves()
         # Weights not yet exchanged (other fragments', or with an exchange in flight) are checked here:
         # a checkpoint never keeps a NaN that a resumed run would train on.
         self.comm.check_finite(self.workers.params, "its weights")

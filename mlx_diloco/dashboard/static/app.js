@@ -15,7 +15,10 @@ const STATE_COLORS = { training: "#16a34a", syncing: "#2563eb", waiting: "#d9770
 // launcher's): the parts and their names as the server sends them (time_parts), coloured in this order.
 let TIME_PARTS = [];
 const TIME_COLORS = ["#9ca3af", "#16a34a", "#0d9488", "#2563eb", "#f59e0b", "#db2777", "#0891b2", "#7c3aed"];
-const COMPUTE = "compute_s";  // the part whose share the page states (data-compute)
+// data-compute: compute's share of the time the workers trained or waited on each other (the measured
+// utilisation: start-up, saves and evaluations apart), the number a script reads off the page.
+const COMPUTE = "compute_s", WAITS = ["compute_s", "link_s", "straggler_s", "restart_s"];
+const computeShare = t => { const w = WAITS.reduce((a, k) => a + (t[k] || 0), 0); return w ? (t[COMPUTE] || 0) / w : ""; };
 const charts = {};
 let events = [];  // the run's events that the wall-clock chart marks (all but the shards shipped)
 
@@ -104,7 +107,7 @@ function timeBar(w) {
   const t = timeOf(w), total = TIME_PARTS.reduce((a, [key]) => a + (t[key] || 0), 0);
   if (!total) return "—";
   const title = TIME_PARTS.map(([key, name]) => `${name} ${seconds(t[key] || 0)}`).join(", ");
-  return el("span", { className: "time", title, "data-compute": (t[COMPUTE] || 0) / total },
+  return el("span", { className: "time", title, "data-compute": computeShare(t) },
     ...TIME_PARTS.map(([key], i) => el("i", { style: `width:${100 * (t[key] || 0) / total}%;background:${TIME_COLORS[i]}` })));
 }
 
@@ -113,12 +116,12 @@ function renderTimeNote(workers) {
   const times = workers.map(timeOf);
   const sums = TIME_PARTS.map(([key]) => times.reduce((a, t) => a + (t[key] || 0), 0));
   const total = sums.reduce((a, b) => a + b, 0), mfus = workers.filter(w => w.mfu).map(w => w.mfu);
-  const note = document.getElementById("time-note"), compute = TIME_PARTS.findIndex(([key]) => key === COMPUTE);
+  const note = document.getElementById("time-note");
   note.replaceChildren(...(!total ? ["where the time went: no step yet"] : ["all workers:",
     ...TIME_PARTS.map(([, name], i) => sums[i] ? el("span", {}, el("span", { className: "key",
       style: `background:${TIME_COLORS[i]}` }), `${name} ${(100 * sums[i] / total).toFixed(1)}%`) : ""),
     mfus.length ? ` · MFU ${(100 * mfus.reduce((a, b) => a + b, 0) / mfus.length).toFixed(1)}%` : ""]));
-  note.dataset.compute = total ? sums[compute] / total : "";
+  note.dataset.compute = total ? computeShare(Object.fromEntries(TIME_PARTS.map(([key], i) => [key, sums[i]]))) : "";
 }
 
 function renderWorkers(run) {
