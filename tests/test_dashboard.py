@@ -295,7 +295,7 @@ def post_training_flags(task, objective: str) -> list:
 
 @pytest.mark.skipif(bool(no_browser), reason=no_browser)
 def test_the_page_shows_a_grpo_run_its_accuracy_reward_kl_what_generating_cost_and_its_collapse(browser, tmp_path, task):
-    """A GRPO sim at lr 1, served by its --dashboard (measured: its reward falls from 0.69 at step 2 to
+    """A GRPO sim at lr 1, its page served afterwards (measured: its reward falls from 0.69 at step 2 to
     0.17 at step 6 and stays below 0.27 to step 12, under half its best: the rows say it collapses): the
     post-training panel plots the held-out accuracy and reward, the training reward and
     KL at every evaluation, says the tokens generated and trained and the share of the time spent
@@ -304,13 +304,7 @@ def test_the_page_shows_a_grpo_run_its_accuracy_reward_kl_what_generating_cost_a
     run_dir = tmp_path / "grpo"
     grpo = post_training_flags(task, "grpo") + ["--steps", 12, "--lr", 1.0, "--beta", 0.04, "--reward-functions",
                                                 "exact_answer,format", "--reward-format", r"\d+"]
-    sim = command(tmp_path / "sim.log", "sim", *grpo, "--run-dir", run_dir, "--dashboard", "127.0.0.1:0")
-    try:
-        browser.get(printed_url(tmp_path / "sim.log", sim))
-        assert sim.wait(timeout=300) == 0, (tmp_path / "sim.log").read_text()[-3000:]
-        done = watch(browser, lambda s: s["finished"], timeout=30)
-    finally:
-        sim.kill()
+    done = finished_page(browser, tmp_path, "grpo", grpo)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     post = done["post"]
     assert not post["hidden"] and post["objective"] == "grpo" and not post["reward_hidden"]
@@ -327,13 +321,7 @@ def test_the_page_shows_a_grpo_run_its_accuracy_reward_kl_what_generating_cost_a
     # DPO run: its pair accuracy and the chosen answers' log-probability, no reward chart.
     for name, flags in (("grpo-16", grpo[:grpo.index("--steps")] + ["--steps", 16, "--lr", 1.0] + grpo[grpo.index("--beta"):]),
                         ("dpo", post_training_flags(task, "dpo") + ["--steps", 4])):
-        assert run_cli("sim", *flags, "--run-dir", tmp_path / name).returncode == 0
-        served = command(tmp_path / f"{name}.log", "dashboard", tmp_path / name, "--port", 0)
-        try:
-            browser.get(printed_url(tmp_path / f"{name}.log", served))
-            post = watch(browser, lambda s: s["finished"], timeout=30)["post"]
-        finally:
-            served.kill()
+        post = finished_page(browser, tmp_path, name, flags)["post"]
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         if name == "dpo":
             assert post["objective"] == "dpo" and post["reward_hidden"] and post["held"] == post["plotted"] == len(rows) == 3
@@ -341,6 +329,19 @@ def test_the_page_shows_a_grpo_run_its_accuracy_reward_kl_what_generating_cost_a
         else:
             assert not rows[-1]["collapse"] and post["collapse"].endswith("(recovered by step 16)"), post["collapse"]
     screenshot(browser, "dashboard-dpo.png", tmp_path)
+
+
+def finished_page(browser, tmp_path, name: str, flags: list) -> dict:
+    """The page's state of a sim run to its end in tmp_path/name, served by `mlx-diloco dashboard`
+    (a run of a few seconds ends before a page could follow it live: the live page has its own test)."""
+    out = run_cli("sim", *flags, "--run-dir", tmp_path / name)
+    assert out.returncode == 0, out.stderr[-3000:]
+    served = command(tmp_path / f"{name}.log", "dashboard", tmp_path / name, "--port", 0)
+    try:
+        browser.get(printed_url(tmp_path / f"{name}.log", served))
+        return watch(browser, lambda s: s["finished"], timeout=30)
+    finally:
+        served.kill()
 
 
 def cpu_seconds(pid: int) -> float:

@@ -131,7 +131,9 @@ class Run:
         if reporter:  # report-to's packages, before any model or data is loaded
             check_loggers(config)
         parts = parts or parts_from_config(resolved, log, job.data_dir)
-        for note in resolved.notes if resolved and reporter else ():  # once the data is found: no line before an error
+        # The notes, once the data is found (no line before an error); a job's workers were started by
+        # a program that said them (sim's processes, the launcher).
+        for note in resolved.notes if resolved and reporter and not job.config else ():
             log(note)
         self.spec, self.data, model = parts.spec, parts.data, parts.model
         convert_model(model, config)
