@@ -303,7 +303,8 @@ def test_the_page_shows_a_grpo_run_its_accuracy_reward_kl_what_generating_cost_a
     its pair accuracy and chosen log-probability instead."""
     run_dir = tmp_path / "grpo"
     grpo = post_training_flags(task, "grpo") + ["--steps", 12, "--lr", 1.0, "--beta", 0.04, "--reward-functions",
-                                                "exact_answer,format", "--reward-format", r"\d+"]
+                                                "exact_answer,format", "--reward-format", r"\d+",
+                                                "--outer-lr", 0.705, "--outer-momentum", 0.5]  # as measured
     done = finished_page(browser, tmp_path, "grpo", grpo)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     post = done["post"]

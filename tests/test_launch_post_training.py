@@ -114,6 +114,20 @@ SAME = {"grpo": ("eval_loss", "eval_accuracy", "eval_reward", "reward", "reward_
                 "tokens_trained")}
 
 
+# The ring adds the workers' values in another order than sim, and AdamW at lr 1e-2 makes a near-zero
+# gradient's sign a full step: measured, GRPO's adapters after 6 steps, 1 of 256 values of a lora_a off
+# by 4.4e-5 (the rows' metrics equal to 1e-4). Compared to about twice that.
+ADAPTERS_ATOL = 1e-4
+
+
+def assert_same_value(ours: dict, theirs: dict, key: str):
+    """A row's `key` equal to sim's to the cluster tests' tolerance, or absent from both (the rollouts'
+    keys and the tokens trained are not in the row of step 0, before any step)."""
+    assert (key in ours) == (key in theirs) and (key in theirs or ours["step"] == 0), (ours["step"], key)
+    if key in theirs:
+        assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (ours["step"], key)
+
+
 @needs_namespaces
 @pytest.mark.parametrize("objective", ["grpo", "dpo"])
 def test_launch_an_objective_on_two_hosts_trains_like_sim(task, tmp_path, objective):
@@ -132,9 +146,9 @@ def test_launch_an_objective_on_two_hosts_trains_like_sim(task, tmp_path, object
         assert [r["step"] for r in got] == [r["step"] for r in expected] == [0, 2, 4, 6]
         for ours, theirs in zip(got, expected):
             for key in SAME[objective]:
-                assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (ours["step"], key)
+                assert_same_value(ours, theirs, key)
         assert_same_params(worker_adapters(cluster, 0), {k: np.array(v) for k, v in mx.load(
-            str(tmp_path / "sim" / "adapters" / "adapters.safetensors")).items()})
+            str(tmp_path / "sim" / "adapters" / "adapters.safetensors")).items()}, atol=ADAPTERS_ATOL)
         assert [e["event"] for e in events(run_dir)] == ["shipped"] * 2 + ["started"]
     finally:
         cluster.close()
@@ -173,7 +187,7 @@ def test_a_shipped_reward_file_runs_where_the_agents_allow_code_and_trains_like_
     assert max(r["reward"] for r in got[1:]) > 0  # the file's rewards: a few completions were digits alone
     for ours, theirs in zip(got, expected):
         for key in ("eval_loss", "eval_reward", "reward", "reward_workers", "kl"):
-            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (ours["step"], key)
+            assert_same_value(ours, theirs, key)
 
 
 def test_a_reward_file_where_an_agent_does_not_allow_code_is_refused_before_any_worker_starts(task, tmp_path):

@@ -22,7 +22,7 @@ whenever memory allows (`fits_whole_step`: measured at the first step). What sta
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_map_with_path, tree_unflatten
 
 from ..config import ConfigError
 from ..data.jsonl import IGNORE
@@ -346,7 +346,9 @@ class Workers:
 
         def put(old, new):
             return mx.where(rows.reshape((-1,) + (1,) * (old.ndim - 1)), new.astype(old.dtype)[None], old)
-        self.params = tree_map(put, self.params, params)
+        # By path: a model's tree may hold what no global model carries (mlx-lm's llama: layer_types, a list of names).
+        given = dict(tree_flatten(params))
+        self.params = tree_map_with_path(lambda path, old: put(old, given[path]), self.params)
         state = tree_flatten(self.optimizer.state)
         self.optimizer.state = tree_unflatten([(k, put(v, inner_state[k]) if k in inner_state else v)
                                                for k, v in state])
