@@ -114,7 +114,7 @@ def serve_project(model_name, precision, workers, batch_size, seq_len, lora_rank
         context = kernels.chosen(fused=False)
     if variant == "randint rounding":  # MLX's random bits for every value, as before
         from mlx_diloco.models import precision as bf16
-        bf16.dither16 = lambda shape: mx.random.randint(0, 1 << 16, shape, dtype=mx.uint32)
+        bf16.dither16 = lambda bits, seed: mx.random.randint(0, 1 << 16, bits.shape, dtype=mx.uint32)
     with context:
         serve(project_step(model_name, precision, workers, batch_size, seq_len, lora_rank, variant=variant),
               f"mlx-diloco, MLX {mx.__version__}", mx.get_peak_memory)

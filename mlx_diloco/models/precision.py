@@ -9,9 +9,11 @@ in this process, and leaves fp32 inputs as they are).
 """
 
 import sys
+from functools import lru_cache
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from .kernels import paths
 
@@ -90,14 +92,45 @@ def random_word() -> mx.array:
 
 
 def dither16(bits: mx.array, seed: mx.array) -> mx.array:
-    """Uniform noise in [0, 2**16) for each value, from its own bits: xored with the seed, then
-    multiplied by odd constants and xor-shifted (a bijection of 32-bit words, so a uniform seed
-    gives a uniform dither for any value: each rounding unbiased); values that differ get
-    unrelated dithers (equal values in one update round alike). One seed for all parameters and
-    no array of positions: MLX's randint, or an arange, would each be a kernel a parameter."""
-    h = (bits ^ seed) * 0x9E3779B1
+    """Uniform noise in [0, 2**16) for each value, independent from value to value: the value's
+    bits plus a word for its position (position_words), xored with the seed, then multiplied by
+    odd constants and xor-shifted. For any value and position the map from the seed is a
+    bijection of 32-bit words, so a uniform seed gives a uniform dither (each rounding unbiased);
+    equal values at different positions hash different words, so they round independently (a
+    tensor that starts constant, like a norm's weights, would otherwise move all together: its
+    mean's noise sqrt(n) times independent rounding's, issue 47). One seed for all parameters and
+    no array made at a step: MLX's randint, or an arange, would each be a kernel a parameter."""
+    rows, cols = position_words(tuple(bits.shape))
+    h = ((bits + rows + cols) ^ seed) * 0x9E3779B1
     h = (h ^ (h >> 15)) * 0x85EBCA77
     return h >> 16
+
+
+@lru_cache(maxsize=None)
+def position_words(shape: tuple) -> tuple:
+    """Two uint32 arrays whose broadcast sum gives each position of a `shape` tensor its own
+    pseudo-random word: one word per row (every axis but the last) and one per column. Made once
+    per shape and held (constants of the compiled update: no kernel at a step), they take
+    4 bytes per row and per column, not per value. Pseudo-random rather than the index, so that
+    no two positions' words differ by the small amounts that nearby values' bits differ by."""
+    if not shape:
+        return mx.array(_mix(np.arange(1, dtype=np.uint32))[0]), mx.array(np.uint32(0))
+    n_rows = int(np.prod(shape[:-1]))
+    rows = _mix(np.arange(n_rows, dtype=np.uint32) + np.uint32(0x6A09E667)).reshape(*shape[:-1], 1)
+    return mx.array(rows), mx.array(_mix(np.arange(shape[-1], dtype=np.uint32)))
+
+
+def _mix(words: np.ndarray) -> np.ndarray:
+    """A bijection of uint32 words that spreads consecutive ones over all 32 bits (MurmurHash3's
+    finalizer; numpy, once per shape)."""
+    h = words.astype(np.uint32)
+    with np.errstate(over="ignore"):
+        h ^= h >> np.uint32(16)
+        h *= np.uint32(0x85EBCA6B)
+        h ^= h >> np.uint32(13)
+        h *= np.uint32(0xC2B2AE35)
+        h ^= h >> np.uint32(16)
+    return h
 
 
 def fp32_attention(attention):
