@@ -30,20 +30,55 @@ def widened(w: mx.array) -> mx.array:
 
 def _matmul_in_fp32(out_fp32: bool):
     """x @ w.T computed in fp32, returned in fp32 or in x's dtype; the backward pass keeps only
-    x and w (in their own dtype) and returns gradients in their dtypes."""
+    x and w (in their own dtype) and returns gradients in their dtypes. w: (D, C), or replicas'
+    own weights (n, D, C) with x (n, ..., C), which is what vmapping it over replicas calls."""
     @mx.custom_function
     def matmul(x, w):
-        y = x.astype(mx.float32) @ w.astype(mx.float32).T
+        y = _times_transposed(x.astype(mx.float32), w.astype(mx.float32))
         return y if out_fp32 else y.astype(x.dtype)
 
     @matmul.vjp
     def matmul_vjp(primals, cotangent, output):
         x, w = primals
-        g = cotangent.astype(mx.float32)
-        dx = g @ widened(w)
-        dw = g.reshape(-1, g.shape[-1]).T @ x.astype(mx.float32).reshape(-1, x.shape[-1])
+        # Two casts of the cotangent, by different ops: one merged cast would keep an fp32 copy
+        # of it alive from dx's matmul until dw's, which MLX may run much later.
+        dx = _times(cotangent.astype(mx.float32), widened(w))
+        dw = _transposed_times(widened(cotangent), widened(x), w.ndim)
         return dx.astype(x.dtype), dw.astype(w.dtype)
+
+    @matmul.vmap
+    def matmul_vmap(inputs, axes):
+        # Vmapped without this rule, MLX would differentiate the ops above, not matmul_vjp, and keep
+        # their fp32 copies for the backward pass; with it, the replicas' weights are one (n, D, C).
+        (x, w), (x_axis, w_axis) = inputs, axes
+        if w_axis is None:
+            return matmul(mx.moveaxis(x, x_axis, 0), w), 0
+        w = mx.moveaxis(w, w_axis, 0)
+        x = mx.broadcast_to(x, (w.shape[0], *x.shape)) if x_axis is None else mx.moveaxis(x, x_axis, 0)
+        return matmul(x, w), 0
     return matmul
+
+
+def _times_transposed(x, w):
+    """x @ w.T, each replica's x by its own w when w is (n, D, C)."""
+    if w.ndim == 2:
+        return x @ w.T
+    return (x.reshape(w.shape[0], -1, x.shape[-1]) @ w.swapaxes(-1, -2)).reshape(*x.shape[:-1], w.shape[1])
+
+
+def _times(g, w):
+    """g @ w: the gradient of x @ w.T with respect to x."""
+    if w.ndim == 2:
+        return g @ w
+    return (g.reshape(w.shape[0], -1, g.shape[-1]) @ w).reshape(*g.shape[:-1], w.shape[-1])
+
+
+def _transposed_times(g, x, w_ndim):
+    """The gradient of x @ w.T with respect to w: g.T @ x over all tokens (per replica)."""
+    if w_ndim == 2:
+        return g.reshape(-1, g.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+    n = g.shape[0]
+    return g.reshape(n, -1, g.shape[-1]).swapaxes(-1, -2) @ x.reshape(n, -1, x.shape[-1])
 
 
 matmul_fp32 = _matmul_in_fp32(out_fp32=False)
