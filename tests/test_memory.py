@@ -308,3 +308,16 @@ def test_a_quantized_preset_is_built_as_mlx_lm_loads_a_quantized_folder_and_trai
     (tmp_path / "bad.json").write_text(json.dumps({**tiny, "quantization": {"bits": 4}}))
     with pytest.raises(ConfigError, match=r"quantization must be as mlx-lm's config.json has it, e.g. \{\"group_size\""):
         load_spec(str(tmp_path / "bad.json"))
+
+
+def test_plan_says_what_the_moments_precision_costs_either_way(capsys):
+    """A bf16 model's AdamW moments are fp32 by default; plan names their memory and the other
+    choice's, bf16 as plain MLX keeps them (--moments-precision bf16), with its total (issue 47)."""
+    from mlx_diloco.memory import trained_shape
+    from mlx_diloco.plan import print_plan
+    n = trained_shape(TrainConfig(model="gpt2-124m"))[1].parameters
+    for given, chosen, other in (({}, 8, 4), ({"moments_precision": "bf16"}, 4, 8)):
+        print_plan({"precision": "bf16", "batch_size": 4, "seq_len": 256, **given}, model="gpt2-124m", links=["1gbe"])
+        line = next(l for l in capsys.readouterr().out.splitlines() if "AdamW moments" in l)
+        assert f"{chosen * n / GB:.2f} GB; " in line and f"{other * n / GB:.2f} GB, total" in line, line
+        assert "bf16 (--moments-precision bf16, as plain MLX keeps a bf16 model's)" in line, line
