@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 35's speed tables on a CUDA machine without internet (docs/results.md, "Speed where people
+# Issues 35 and 47's speed tables on a CUDA machine without internet (docs/results.md, "Speed where people
 # train"): installs MLX's CUDA build from carried wheels, then runs bench/throughput.py's tables,
 # most important first, each appended to OUT/throughput-gpu.txt as it finishes.
 #
@@ -40,19 +40,28 @@ run() {  # bench/throughput.py with these arguments, its output appended to the 
   echo "== $(( $(date +%s) - t0 )) s: python bench/throughput.py $*" | tee -a "$log"
   timeout 300 python3 bench/throughput.py "$@" 2>&1 | grep -v "^warning: MLX matmul" | tee -a "$log"
 }
+kernels() {  # bench/step_kernels.py: the kernels one step launches, one worker and vmapped
+  echo "== $(( $(date +%s) - t0 )) s: python bench/step_kernels.py $*" | tee -a "$log"
+  timeout 300 python3 bench/step_kernels.py "$@" 2>&1 | grep -v "^warning: MLX matmul" | tee -a "$log"
+}
+# Issue 47's order: the LoRA table (never measured on a GPU), the bf16 and vmapped rows (the step
+# tables), then the vmapped step's profile (the parts table: forward and backward against the
+# update; the kernel counts of bench/step_kernels.py), then the causes and the rest.
 if [ -n "${SMALL:-}" ]; then
-  run --model tiny --batch-size 8 --seq-len 32 --precisions bf16 --tables step causes --steps 3
-  run --model llama-tiny --batch-size 8 --seq-len 32 --precisions fp32 --tables step --steps 3
   run --lora-model llama-tiny --batch-size 4 --seq-len 32 --precisions bf16 --tables lora --steps 3
+  run --model tiny --batch-size 8 --seq-len 32 --precisions bf16 fp32 --tables step --steps 3
+  run --model tiny --batch-size 8 --seq-len 32 --precisions bf16 --tables parts --steps 3
+  kernels --model tiny --precisions bf16 --batch-size 8 --seq-len 32
+  run --model tiny --batch-size 8 --seq-len 32 --precisions bf16 --tables causes --steps 3
+  run --model llama-tiny --batch-size 8 --seq-len 32 --precisions fp32 --tables step --steps 3
 else
-  # (2026-11-27, H200: the first two took 476 s, the first reaching its 300 s limit before its
-  # causes table; what that session did not measure comes first)
   run --lora-model llama-1b --batch-size 4 --seq-len 512 --precisions bf16 --tables lora
   run --model gpt2-124m --batch-size 8 --seq-len 1024 --precisions bf16 --tables step
   run --model gpt-10m --batch-size 32 --seq-len 256 --precisions bf16 fp32 --tables step
-  run --model gpt2-124m --batch-size 8 --seq-len 1024 --precisions bf16 --tables causes
+  run --model gpt2-124m --batch-size 8 --seq-len 1024 --precisions bf16 --tables parts --steps 6
+  kernels --model gpt2-124m --precisions bf16
+  run --model gpt2-124m --batch-size 8 --seq-len 1024 --precisions bf16 --tables causes --steps 6
   run --model llama-150m --batch-size 8 --seq-len 1024 --precisions bf16 fp32 --tables step
-  run --model gpt2-124m --batch-size 8 --seq-len 1024 --precisions fp32 --tables step
   run --lora-model llama-1b --batch-size 4 --seq-len 512 --precisions fp32 --tables lora
 fi
 echo "== done in $(( $(date +%s) - t0 )) s" | tee -a "$log"

@@ -43,21 +43,31 @@ def main():
     p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--vmapped", type=int, default=4, help="N: also the step of N vmapped workers of B/N each")
     args = p.parse_args()
     import mlx_baseline
     import throughput
-    print(f"# python bench/step_kernels.py --model {args.model} --precisions {' '.join(args.precisions)}")
+    print(f"# python bench/step_kernels.py {' '.join(sys.argv[1:])}")
     print(f"kernels one step launches, {args.model}, on a GPU's paths (MLX {mx.__version__}, counted on {mx.default_device()})\n")
-    print(f"{'precision':10} {'project':>8} {'plain MLX':>10}   the project's extra kernels, by primitive")
+    N = args.vmapped if args.vmapped > 1 and args.batch_size % args.vmapped == 0 else 0
+    vmapped = f"{N} vmapped" if N else ""
+    print(f"{'precision':10} {'project':>8} {'plain MLX':>10} {vmapped:>10}   the project's extra kernels, by primitive")
     with kernels.chosen(device="gpu", fused=True, fp32_matmul=False):
         for precision in args.precisions:
-            project = throughput.project_step(args.model, precision, 1, args.batch_size, args.seq_len)
-            project(), project()  # the whole step compiled from the second step on
+            ours = counted(throughput.project_step(args.model, precision, 1, args.batch_size, args.seq_len))
             plain = mlx_baseline.pretraining_step(args.model, precision, args.batch_size, args.seq_len)
             plain()
-            ours, theirs = launches(project.lazy()), launches(plain.lazy())
+            theirs = launches(plain.lazy())
+            replicas = counted(throughput.project_step(args.model, precision, N, args.batch_size // N, args.seq_len)) if N else None
             extra = ", ".join(f"{k} {v:+d}" for k, v in (ours - theirs).most_common(4))
-            print(f"{precision:10} {sum(ours.values()):8} {sum(theirs.values()):10}   {extra}")
+            print(f"{precision:10} {sum(ours.values()):8} {sum(theirs.values()):10} "
+                  f"{sum(replicas.values()) if N else '':>10}   {extra}")
+
+
+def counted(project_step) -> Counter:
+    """The kernels of the project's whole compiled step (compiled from the second step on)."""
+    project_step(), project_step()
+    return launches(project_step.lazy())
 
 
 if __name__ == "__main__":

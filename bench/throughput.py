@@ -15,18 +15,24 @@ step (one per precision): tokens/s of
   - plain MLX: the step an MLX user writes (bench/mlx_baseline.py);
   - PyTorch's eager step (bench/torch_baseline.py --device);
   - the project, --vmapped N workers of B/N each, vectorized in one process: beside one worker with
-    the N-times batch (the first row), what simulating N workers costs;
+    the N-times batch (the first row), what simulating N workers costs; and on a CPU of several
+    cores, the same N workers in the processes `sim` runs them in by default (one per core, joined
+    by MLX's ring: training/processes.py);
   - bf16: the project with --moments-precision bf16, AdamW's moments as plain MLX keeps them (the
     project's default keeps them in fp32: 4 bytes a parameter more).
   Targets (issue 35): project / plain MLX >= 0.95; N vmapped / one worker >= 0.95; peak memory at
   most 10% above plain MLX's.
+parts: the step by phase (a profile on any device): the whole step, the forward and backward passes
+  alone, the update alone, for one worker of batch B and --vmapped N workers of B/N; what the vmapped
+  step's extra time is spent on.
 lora: the project's LoRA step (mlx-lm's adapters, masked loss, as `sim --fine-tune-type lora`
   trains) against mlx-lm's own trainer step (bench/mlx_baseline.py --lora), on an mlx-lm model
   folder made from --lora-model (random weights; kept in runs/bench/models), same batch and rank.
   Target: >= 0.95.
-causes: the project's one-worker step with each part that issue 35 changed put back as it was
+causes: the project's one-worker step with each part that issues 35 and 47 changed put back as it was
   (unfused attention, norms and loss; the update a group at a time; MLX's random bits for bf16's
-  rounding), and the step at the commit before (.base/, where bench/gpu_speed.sh puts it).
+  rounding; on a CPU, the update on one thread), and the step at the commit before issue 35 (.base/,
+  where bench/gpu_speed.sh puts it).
 pytorch (issue 22): PyTorch's one worker of batch B against the project's --vs-pytorch N workers of
   batch B each, in the processes `sim` runs them in by default.
 processes (issue 12; a CPU's): one worker with an N-times batch; the simulator's N workers in K
@@ -96,13 +102,38 @@ def project_step(model_name: str, precision: str, workers: int, batch_size: int,
 
     def step():
         return w.step(x, y, strategy, next(steps))
+    if variant in PARTS:
+        step = step_part(w, x, y, variant)
     step.lazy = lambda: w._whole_step(w.params, w.optimizer.state, x, y)  # the step's graph (bench/step_kernels.py)
     return step
 
 
-# The parts of the step that issue 35 changed, each as it was (the causes table); "before": the whole
+# The parts of a step the parts table times on their own (a profile of the step by phase, on any device)
+PARTS = ("gradients only", "update only")
+
+
+def step_part(w, x, y, part: str):
+    """One part of the workers' step, compiled as the step compiles it: the forward and backward
+    passes (the gradients evaluated), or the clipped AdamW update of gradients computed once."""
+    import mlx.core as mx
+    if part == "gradients only":
+        def gradients():
+            mx.eval(w._compiled_grads(w.params, x, y))
+            w.release()
+        return gradients
+    _, grads = w._compiled_grads(w.params, x, y)
+    mx.eval(grads)
+    w.release()
+    params, state, scale = w.params, w.optimizer.state, mx.ones(w.n_local)
+
+    def update():  # from the same parameters and moments each time (a trace leaves the optimizer its arrays)
+        mx.eval(w._update(params, grads, state, scale))
+    return update
+
+
+# The parts of the step that issues 35 and 47 changed, each as it was (the causes table); "before": the whole
 # step at the commit before (78320fe), checked out in .base/ (see bench/gpu_speed.sh).
-VARIANTS = ("as is", "unfused kernels", "update in groups", "randint rounding", "before")
+VARIANTS = ("as is", "unfused kernels", "update in groups", "randint rounding", "update on one stream", "before")
 
 
 def serve_project(model_name, precision, workers, batch_size, seq_len, lora_rank, variant="as is"):
@@ -113,20 +144,23 @@ def serve_project(model_name, precision, workers, batch_size, seq_len, lora_rank
     if variant == "unfused kernels":
         from mlx_diloco.models import kernels
         context = kernels.chosen(fused=False)
+    if variant == "update on one stream":  # the CPU's update on one thread, as before issue 47
+        from mlx_diloco.training import workers as stepping
+        stepping.cpu_threads = lambda: 1
     if variant == "randint rounding":  # MLX's random bits for every value, as before
         from mlx_diloco.models import precision as bf16
-        bf16.dither16 = lambda shape: mx.random.randint(0, 1 << 16, shape, dtype=mx.uint32)
+        bf16.dither16 = lambda bits, seed: mx.random.randint(0, 1 << 16, bits.shape, dtype=mx.uint32)
     with context:
         serve(project_step(model_name, precision, workers, batch_size, seq_len, lora_rank, variant=variant),
               f"mlx-diloco, MLX {mx.__version__}", mx.get_peak_memory)
 
 
-def ring_child(model_name, workers, batch_size, seq_len, per_process):
+def ring_child(model_name, precision, workers, batch_size, seq_len, per_process):
     """One process of a ProcessGroup: steps its replicas whenever the parent writes a line."""
     from mlx_diloco.exchange.ring import init_ring
     from step_server import serve
     import mlx.core as mx
-    serve(project_step(model_name, "fp32", workers, batch_size, seq_len, comm=init_ring(60.0, per_process)),
+    serve(project_step(model_name, precision, workers, batch_size, seq_len, comm=init_ring(60.0, per_process)),
           "ring", mx.get_peak_memory)
 
 
@@ -175,12 +209,12 @@ class ProcessGroup:
     """`sim --processes K` without the run around it: K processes joined by MLX's ring, each
     stepping workers/K vmapped replicas; calling it runs one step in all of them."""
 
-    def __init__(self, model_name, workers, batch_size, seq_len, K, blas_threads):
+    def __init__(self, model_name, workers, batch_size, seq_len, K, blas_threads, precision="fp32"):
         from mlx_diloco.training.processes import free_ports
         self.tmp = tempfile.TemporaryDirectory(prefix="bench-throughput-")
         hostfile = Path(self.tmp.name) / "hosts.json"
         hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(K)]))
-        args = [__file__, "--ring-child", model_name, workers, batch_size, seq_len, workers // K]
+        args = [__file__, "--ring-child", model_name, precision, workers, batch_size, seq_len, workers // K]
         # all started before any is waited for: each waits in the ring's set-up for the others
         procs = [start(args, {**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile),
                               "OPENBLAS_NUM_THREADS": str(blas_threads)}) for r in range(K)]
@@ -287,6 +321,11 @@ def step_table(args, precision: str):
     if N > 1 and B % N == 0:
         setups["vmapped"] = StepProcess([__file__, "--project", args.model, precision, N, B // N, T, 0])
         labels["vmapped"] = f"project, {N} vmapped workers x {B // N}"
+        from mlx_diloco.training.processes import choose_processes, usable_cores
+        K = choose_processes(N)
+        if K > 1:  # the processes `sim` runs N workers in by default here (one per core on a CPU)
+            setups["processes"] = ProcessGroup(args.model, N, B // N, T, K, max(1, usable_cores() // K), precision)
+            labels["processes"] = f"project, {N} workers x {B // N} in {K} processes (sim's default)"
     if precision == "bf16":  # the moments as plain MLX keeps them: the same memory
         setups["bf16 moments"] = StepProcess([__file__, "--project", args.model, precision, 1, B, T, 0, "bf16 moments"])
         labels["bf16 moments"] = f"project, 1 worker x {B}, --moments-precision bf16"
@@ -296,7 +335,8 @@ def step_table(args, precision: str):
     print_rows(f"model {args.model} {precision}, {B}x{T} tokens a step; {args.steps} interleaved steps each "
                f"(MLX on {device_name()})", results, labels, {k: B * T for k in results},
                {"project": [("vs plain MLX", "plain")], "torch": [("vs plain MLX", "plain")],
-                "vmapped": [("vs 1 worker x N*B", "project")], "bf16 moments": [("vs plain MLX", "plain")]})
+                "vmapped": [("vs 1 worker x N*B", "project")], "processes": [("vs 1 worker x N*B", "project")],
+                "bf16 moments": [("vs plain MLX", "plain")]})
 
 
 def causes_table(args, precision: str):
@@ -310,6 +350,23 @@ def causes_table(args, precision: str):
                f"steps each (MLX on {device_name()})", results,
                {v: f"project, {v}" for v in results}, {v: B * T for v in results},
                {v: [("vs as is", "as is")] for v in results})
+
+
+def parts_table(args, precision: str):
+    """The step by phase, for one worker of batch B and N vmapped workers of B/N: the whole step,
+    its forward and backward passes alone, its update alone (what the vmapped step's extra time is)."""
+    B, T, N = args.batch_size, args.seq_len, args.vmapped
+    setups, labels = {}, {}
+    for n in (1, N) if N > 1 and B % N == 0 else (1,):
+        for part in ("as is", *PARTS):
+            setups[(n, part)] = StepProcess([__file__, "--project", args.model, precision, n, B // n, T, 0, part])
+            labels[(n, part)] = f"{n} worker{'s' if n > 1 else ''} x {B // n}, " + (
+                "whole step" if part == "as is" else part)
+    results = measured(setups, args.steps)
+    labels = {k: f"{labels[k]} ({best * 1e3:.1f} ms)" for k, (best, _, _) in results.items()}
+    print_rows(f"parts: model {args.model} {precision}, {B}x{T} tokens a step; {args.steps} interleaved steps each "
+               f"(MLX on {device_name()})", results, labels, {k: B * T for k in results},
+               {k: [("vs 1 worker", (1, k[1]))] for k in results if k[0] > 1})
 
 
 def lora_table(args, precision: str):
@@ -404,16 +461,16 @@ def main():
     p.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4], help="the processes table's process counts K")
     p.add_argument("--vs-pytorch", type=int, nargs="+", default=[1, 4, 8],
                    help="the pytorch table's worker counts N, in sim's default processes")
-    p.add_argument("--tables", nargs="+", choices=["step", "causes", "lora", "pytorch", "processes"], default=["step"])
+    p.add_argument("--tables", nargs="+", choices=["step", "causes", "lora", "parts", "pytorch", "processes"], default=["step"])
     p.add_argument("--project", nargs="+", help=argparse.SUPPRESS)
-    p.add_argument("--ring-child", nargs=5, help=argparse.SUPPRESS)
+    p.add_argument("--ring-child", nargs=6, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.project:  # model precision workers batch seq-len lora-rank [variant]
         model, precision, *numbers = args.project[:6]
         return serve_project(model, precision, *map(int, numbers), *args.project[6:])
     if args.ring_child:
-        model, *numbers = args.ring_child
-        return ring_child(model, *map(int, numbers))
+        model, precision, *numbers = args.ring_child
+        return ring_child(model, precision, *map(int, numbers))
     from cluster_links import doctor_gflops
     print(f"# python bench/throughput.py {' '.join(sys.argv[1:])}   (doctor: {doctor_gflops()})", flush=True)
     for precision in args.precisions:
@@ -423,6 +480,8 @@ def main():
             causes_table(args, precision)
         if "lora" in args.tables:
             lora_table(args, precision)
+        if "parts" in args.tables:
+            parts_table(args, precision)
     from mlx_diloco.training.processes import usable_cores
     if "pytorch" in args.tables and torch_device():
         pytorch_table(args, usable_cores())

@@ -91,3 +91,29 @@ def test_compiled_passes_draw_a_new_dropout_mask_every_call():
     for losses in (grads, whole):
         mx.eval(losses)
         assert len({tuple(np.array(l).round(6)) for l in losses}) == 3, losses
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_update_spread_over_cpu_streams_trains_as_on_one(monkeypatch, precision):
+    """On the CPU the optimizer's per-parameter updates run on one MLX stream per thread (their
+    kernels each use one core): the same parameters and moments as on one stream, bit for bit, bf16's
+    stochastic rounding included."""
+    from mlx_diloco.models.precision import to_bf16
+    from mlx_diloco.training import workers as stepping
+    ends = {}
+    for threads in (1, 2):
+        monkeypatch.setattr(stepping, "cpu_threads", lambda t=threads: t)
+        config = tiny_config(precision=precision)
+        mx.random.seed(0)
+        model = build_model(load_spec("tiny"), seed=0)
+        if precision == "bf16":
+            to_bf16(model)
+        workers = Workers(model, 2, config, default_inner_optimizer(config), log=lambda m: None)
+        assert workers.update_streams == threads
+        rng = np.random.default_rng(0)
+        for step in range(1, 4):
+            x = mx.array(rng.integers(0, 256, (2, 4, 16)))
+            workers.step(x, mx.roll(x, -1, axis=-1), Strategy(), step)
+        ends[threads] = tree_flatten((workers.params, workers.optimizer.state))
+    for (k, a), (_, b) in zip(ends[1], ends[2]):
+        assert mx.array_equal(a, b).item(), k

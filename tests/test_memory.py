@@ -328,3 +328,16 @@ def test_post_training_adds_its_reference_its_pairs_and_its_rollouts():
     grpo8, grpo16 = parts(objective="grpo", group_size=8), parts(objective="grpo", group_size=16)
     assert grpo8["rollouts"] > 0 == sft["rollouts"] and grpo16["rollouts"] == pytest.approx(2 * grpo8["rollouts"], rel=1e-6)
     assert grpo16["total"] > grpo8["total"] > sft["total"]
+
+
+def test_plan_says_what_the_moments_precision_costs_either_way(capsys):
+    """A bf16 model's AdamW moments are fp32 by default; plan names their memory and the other
+    choice's, bf16 as plain MLX keeps them (--moments-precision bf16), with its total (issue 47)."""
+    from mlx_diloco.machine.memory import trained_shape
+    from mlx_diloco.tools.plan import print_plan
+    n = trained_shape(TrainConfig(model="gpt2-124m"))[1].parameters
+    for given, chosen, other in (({}, 8, 4), ({"moments_precision": "bf16"}, 4, 8)):
+        print_plan({"precision": "bf16", "batch_size": 4, "seq_len": 256, **given}, model="gpt2-124m", links=["1gbe"])
+        line = next(l for l in capsys.readouterr().out.splitlines() if "AdamW moments" in l)
+        assert f"{chosen * n / GB:.2f} GB; " in line and f"{other * n / GB:.2f} GB, total" in line, line
+        assert "bf16 (--moments-precision bf16, as plain MLX keeps a bf16 model's)" in line, line

@@ -61,6 +61,12 @@ def test_softmax_and_cross_entropy_through_powers_of_two_match_mlx():
     x = mx.random.normal((4, 8, 64)) * 5
     x = x + mx.triu(mx.full((64, 64), -mx.inf), k=1)[:8]  # a causal mask's -inf entries
     np.testing.assert_allclose(np.array(fastmath.softmax(x)), np.array(mx.softmax(x, axis=-1)), rtol=1e-5, atol=1e-7)
+    w = mx.random.normal(x.shape)  # the gradient, taken from the output alone (fastmath's own vjp)
+    for z, axis in ((x, -1), (x[:, :, :8] * 0.5, 1)):
+        ours, mlx = (mx.grad(lambda z: (f(z, axis=axis) * w[:, :, :z.shape[-1]]).sum())(z)
+                     for f in (fastmath.softmax, mx.softmax))
+        assert np.isfinite(np.array(ours)).all()
+        np.testing.assert_allclose(np.array(ours), np.array(mlx), rtol=1e-4, atol=1e-6)
     logits, targets = mx.random.normal((4, 8, 100)) * 3, mx.random.randint(0, 100, (4, 8))
     ours = mx.value_and_grad(lambda z: fastmath.token_cross_entropy(z, targets).mean())(logits)
     mlx = mx.value_and_grad(lambda z: nn.losses.cross_entropy(z, targets, reduction="mean"))(logits)

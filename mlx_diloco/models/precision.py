@@ -9,9 +9,11 @@ in this process, and leaves fp32 inputs as they are).
 """
 
 import sys
+from functools import lru_cache
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from .kernels import paths
 
@@ -28,20 +30,55 @@ def widened(w: mx.array) -> mx.array:
 
 def _matmul_in_fp32(out_fp32: bool):
     """x @ w.T computed in fp32, returned in fp32 or in x's dtype; the backward pass keeps only
-    x and w (in their own dtype) and returns gradients in their dtypes."""
+    x and w (in their own dtype) and returns gradients in their dtypes. w: (D, C), or replicas'
+    own weights (n, D, C) with x (n, ..., C), which is what vmapping it over replicas calls."""
     @mx.custom_function
     def matmul(x, w):
-        y = x.astype(mx.float32) @ w.astype(mx.float32).T
+        y = _times_transposed(x.astype(mx.float32), w.astype(mx.float32))
         return y if out_fp32 else y.astype(x.dtype)
 
     @matmul.vjp
     def matmul_vjp(primals, cotangent, output):
         x, w = primals
-        g = cotangent.astype(mx.float32)
-        dx = g @ widened(w)
-        dw = g.reshape(-1, g.shape[-1]).T @ x.astype(mx.float32).reshape(-1, x.shape[-1])
+        # Two casts of the cotangent, by different ops: one merged cast would keep an fp32 copy
+        # of it alive from dx's matmul until dw's, which MLX may run much later.
+        dx = _times(cotangent.astype(mx.float32), widened(w))
+        dw = _transposed_times(widened(cotangent), widened(x), w.ndim)
         return dx.astype(x.dtype), dw.astype(w.dtype)
+
+    @matmul.vmap
+    def matmul_vmap(inputs, axes):
+        # Vmapped without this rule, MLX would differentiate the ops above, not matmul_vjp, and keep
+        # their fp32 copies for the backward pass; with it, the replicas' weights are one (n, D, C).
+        (x, w), (x_axis, w_axis) = inputs, axes
+        if w_axis is None:
+            return matmul(mx.moveaxis(x, x_axis, 0), w), 0
+        w = mx.moveaxis(w, w_axis, 0)
+        x = mx.broadcast_to(x, (w.shape[0], *x.shape)) if x_axis is None else mx.moveaxis(x, x_axis, 0)
+        return matmul(x, w), 0
     return matmul
+
+
+def _times_transposed(x, w):
+    """x @ w.T, each replica's x by its own w when w is (n, D, C)."""
+    if w.ndim == 2:
+        return x @ w.T
+    return (x.reshape(w.shape[0], -1, x.shape[-1]) @ w.swapaxes(-1, -2)).reshape(*x.shape[:-1], w.shape[1])
+
+
+def _times(g, w):
+    """g @ w: the gradient of x @ w.T with respect to x."""
+    if w.ndim == 2:
+        return g @ w
+    return (g.reshape(w.shape[0], -1, g.shape[-1]) @ w).reshape(*g.shape[:-1], w.shape[-1])
+
+
+def _transposed_times(g, x, w_ndim):
+    """The gradient of x @ w.T with respect to w: g.T @ x over all tokens (per replica)."""
+    if w_ndim == 2:
+        return g.reshape(-1, g.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+    n = g.shape[0]
+    return g.reshape(n, -1, g.shape[-1]).swapaxes(-1, -2) @ x.reshape(n, -1, x.shape[-1])
 
 
 matmul_fp32 = _matmul_in_fp32(out_fp32=False)
@@ -90,14 +127,45 @@ def random_word() -> mx.array:
 
 
 def dither16(bits: mx.array, seed: mx.array) -> mx.array:
-    """Uniform noise in [0, 2**16) for each value, from its own bits: xored with the seed, then
-    multiplied by odd constants and xor-shifted (a bijection of 32-bit words, so a uniform seed
-    gives a uniform dither for any value: each rounding unbiased); values that differ get
-    unrelated dithers (equal values in one update round alike). One seed for all parameters and
-    no array of positions: MLX's randint, or an arange, would each be a kernel a parameter."""
-    h = (bits ^ seed) * 0x9E3779B1
+    """Uniform noise in [0, 2**16) for each value, independent from value to value: the value's
+    bits plus a word for its position (position_words), xored with the seed, then multiplied by
+    odd constants and xor-shifted. For any value and position the map from the seed is a
+    bijection of 32-bit words, so a uniform seed gives a uniform dither (each rounding unbiased);
+    equal values at different positions hash different words, so they round independently (a
+    tensor that starts constant, like a norm's weights, would otherwise move all together: its
+    mean's noise sqrt(n) times independent rounding's, issue 47). One seed for all parameters and
+    no array made at a step: MLX's randint, or an arange, would each be a kernel a parameter."""
+    rows, cols = position_words(tuple(bits.shape))
+    h = ((bits + rows + cols) ^ seed) * 0x9E3779B1
     h = (h ^ (h >> 15)) * 0x85EBCA77
     return h >> 16
+
+
+@lru_cache(maxsize=None)
+def position_words(shape: tuple) -> tuple:
+    """Two uint32 arrays whose broadcast sum gives each position of a `shape` tensor its own
+    pseudo-random word: one word per row (every axis but the last) and one per column. Made once
+    per shape and held (constants of the compiled update: no kernel at a step), they take
+    4 bytes per row and per column, not per value. Pseudo-random rather than the index, so that
+    no two positions' words differ by the small amounts that nearby values' bits differ by."""
+    if not shape:
+        return mx.array(_mix(np.arange(1, dtype=np.uint32))[0]), mx.array(np.uint32(0))
+    n_rows = int(np.prod(shape[:-1]))
+    rows = _mix(np.arange(n_rows, dtype=np.uint32) + np.uint32(0x6A09E667)).reshape(*shape[:-1], 1)
+    return mx.array(rows), mx.array(_mix(np.arange(shape[-1], dtype=np.uint32)))
+
+
+def _mix(words: np.ndarray) -> np.ndarray:
+    """A bijection of uint32 words that spreads consecutive ones over all 32 bits (MurmurHash3's
+    finalizer; numpy, once per shape)."""
+    h = words.astype(np.uint32)
+    with np.errstate(over="ignore"):
+        h ^= h >> np.uint32(16)
+        h *= np.uint32(0x85EBCA6B)
+        h ^= h >> np.uint32(13)
+        h *= np.uint32(0xC2B2AE35)
+        h ^= h >> np.uint32(16)
+    return h
 
 
 def fp32_attention(attention):

@@ -72,6 +72,7 @@ def print_memory(model: str, config: TrainConfig, strategy):
     trained = f", {config.fine_tune_type} adapters {shape.trainable / 1e6:,.2f}M" if shape.trainable is not None else ""
     print(f"memory of one DiLoCo worker: model {model} ({n / 1e6:,.1f}M parameters{trained}), {o.describe()}")
     print("  " + ", ".join(f"{k} {v / GB:.2f} GB" for k, v in est.items() if v and k != "total"))
+    print("  " + moments_choice(shape, o, est))
     macs = macs_it_fits(est["total"])
     print(f"  total {est['total'] / GB:.2f} GB ({est['total'] / n:.1f} bytes/parameter): fits Macs of "
           f"{', '.join(map(str, macs)) + ' GB' if macs else 'none up to 64 GB'} (the GPU may use ~{GPU_SHARE:.0%} of a "
@@ -84,6 +85,17 @@ def print_memory(model: str, config: TrainConfig, strategy):
     print("  " + on_this_machine(shape, o, est["total"], hostinfo.training_memory()))
     print()
     return shape
+
+
+def moments_choice(shape, o: MemoryOptions, est: dict) -> str:
+    """What the AdamW moments' precision costs, as chosen and the other way: fp32 (the default, for
+    quality) or bf16 (--moments-precision bf16; with bf16 weights, as plain MLX keeps them)."""
+    labels = {"fp32": "fp32 (the default)", "bf16": "bf16 (--moments-precision bf16" + (
+        ", as plain MLX keeps a bf16 model's)" if o.precision == "bf16" else ")")}
+    other = "bf16" if o.moments_precision == "fp32" else "fp32"
+    alt = estimate(shape, replace(o, moments_precision=other))
+    return (f"AdamW moments: {labels[o.moments_precision]} {est['moments'] / GB:.2f} GB; "
+            f"{labels[other]} {alt['moments'] / GB:.2f} GB, total {alt['total'] / GB:.2f} GB")
 
 
 def print_plan(given: dict, model: str = None, params: float = None, links: list = None, total_steps: int = None):

@@ -84,6 +84,46 @@ def clip_factor(sq: mx.array, max_norm: float) -> mx.array:
     return mx.minimum(1.0, max_norm / (mx.sqrt(sq) + 1e-6))
 
 
+def cpu_threads() -> int:
+    """The threads this process may compute on: its BLAS threads where they are set (sim's processes
+    share the cores: training/processes.py), else its cores."""
+    import os
+    set_to = os.environ.get("OPENBLAS_NUM_THREADS", "")
+    return int(set_to) if set_to.isdigit() and int(set_to) > 0 else len(os.sched_getaffinity(0)) \
+        if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def spread_over_streams(optimizer, threads: int = None) -> int:
+    """On the CPU, the optimizer's per-parameter updates split over one MLX stream per thread, by
+    size: MLX's CPU runs an elementwise kernel on one thread, and the update, a few passes over N
+    replicas' weights, gradients and moments, would leave the other cores idle after the backward
+    pass (BLAS's matmuls use them all). Each stream has its thread; MLX orders the streams'
+    work by its dependencies. The streams in use (1: nothing changed, as on a GPU)."""
+    threads = cpu_threads() if threads is None else threads
+    if mx.default_device() != mx.cpu or threads < 2:
+        return 1
+    streams = [mx.default_stream(mx.cpu), *(mx.new_stream(mx.cpu) for _ in range(threads - 1))]
+    for o in getattr(optimizer, "optimizers", [optimizer]):  # a MultiOptimizer's parts
+        _on_streams(o, streams)
+    return len(streams)
+
+
+def _on_streams(optimizer, streams):
+    apply_gradients, apply_single = optimizer.apply_gradients, optimizer.apply_single
+    load = [0] * len(streams)  # elements given to each stream in this update
+
+    def gradients_applied(gradients, parameters):
+        load[:] = [0] * len(streams)
+        return apply_gradients(gradients, parameters)
+
+    def single_applied(gradient, parameter, state):
+        i = load.index(min(load))
+        load[i] += parameter.size
+        with mx.stream(streams[i]):
+            return apply_single(gradient, parameter, state)
+    optimizer.apply_gradients, optimizer.apply_single = gradients_applied, single_applied
+
+
 def row(y, i: int):
     """Worker i's targets: `y` is an array, or a tree of them (an objective's: objectives/), with the
     worker axis first."""
@@ -154,6 +194,7 @@ class Workers:
         # One fused kernel per parameter instead of ~15 elementwise passes: the N-fold
         # optimizer work is most of what simulating N workers costs over one big batch.
         # The random state goes in and out: bf16 updates round stochastically (strategies/base.py).
+        self.update_streams = spread_over_streams(optimizer)
         self._update = mx.compile(self._clip_and_update, inputs=[mx.random.state], outputs=[mx.random.state])
         self._masked_update = mx.compile(self._clip_and_update_some, inputs=[mx.random.state],
                                          outputs=[mx.random.state])
