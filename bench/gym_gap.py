@@ -1,7 +1,7 @@
 """What users see (issue 44): the default `sim` and the gym's language-model problems, DiLoCo against
 DDP with the same workers at the same tokens, with the outer step before the fitted rule (outer lr
 0.6, momentum 0.9: e5146bc's defaults) and with it (`--outer-lr auto --outer-momentum auto`, today's
-defaults), and where the start line names a better H, with that H too.
+defaults).
 
     .venv/bin/python bench/gym_gap.py [--out runs/bench/gym-gap]      (resumes when run again)
 

@@ -6,13 +6,14 @@ at equal prompts seen, from the same SFT start and seed.
 The gym's problems addition-grpo and addition-dpo (mlx_diloco/gym/problems.py; their SFT start, a
 tiny Llama taught 2-3 digit addition, is made on first use: gym/addition.py). GRPO: DiLoCo x4 (the
 problem's H), DDP x4, and one worker taking four times the steps (the same prompts seen); DPO: DiLoCo
-x4 and DDP x4. Prints each problem's scorecards (held-out accuracy at the start and the end, bytes
+x4, DDP x4 and one worker. Prints each problem's scorecards (held-out accuracy at the start and the end, bytes
 sent), DiLoCo's accuracy against DDP's and the bytes each sent, and writes PROBLEM.png (accuracy
 against modelled time and bytes) and PROBLEM-metrics.png (every metric against steps) into --out.
 Finished runs are kept when run again. About 25 minutes on a 2-core CPU shared with other work.
 """
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -23,9 +24,11 @@ from mlx_diloco.blas import ensure_fast_blas  # noqa: E402
 if __name__ == "__main__":
     ensure_fast_blas(sys.argv)
 
+# DDP exchanges fp16 gradients every step, as data-parallel training does (the problem's compress is DiLoCo's).
+DDP = {"strategy": "ddp", "compress": "fp16"}
 SETUPS = {
-    "grpo": {"diloco x4": {}, "ddp x4": {"strategy": "ddp"}, "one worker": {"strategy": "ddp", "workers": 1}},
-    "dpo": {"diloco x4": {}, "ddp x4": {"strategy": "ddp"}},
+    "grpo": {"diloco x4": {}, "ddp x4": DDP, "one worker": {**DDP, "workers": 1}},
+    "dpo": {"diloco x4": {}, "ddp x4": DDP, "one worker": {**DDP, "workers": 1}},
 }
 ACCURACY = {"grpo": "eval_accuracy", "dpo": "eval_pair_accuracy"}
 
@@ -61,6 +64,10 @@ def main():
             scorecard.save(card, run_dir)
             print(f"{problem.name} {label}: {scorecard.post_training(card)}; sent per worker "
                   f"{scorecard.fmt(card['bytes_sent_per_worker'], 'bytes')}; {card['wall_s']:.0f} s", flush=True)
+            if objective == "dpo":  # likelihood displacement: the chosen answers' log-probability, start and end
+                rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+                print(f"  held-out chosen answers' mean log-probability: {rows[0]['eval_logps_chosen']:.3f} at the "
+                      f"start, {rows[-1]['eval_logps_chosen']:.3f} at the end", flush=True)
         key = ACCURACY[objective]
         diloco, ddp = cards["diloco x4"], cards["ddp x4"]
         print(f"\n{problem.name}: {problem.about}\n{scorecard.table(list(cards.values()))}\n")

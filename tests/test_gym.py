@@ -31,6 +31,12 @@ def test_every_problem_is_a_valid_config(tmp_path):
             resolve(TrainConfig.from_dict({**p.settings(size, "ddp"), **paths, "strategy": "ddp"}))
     out = run_cli("gym", "list")
     assert out.returncode == 0 and all(name in out.stdout for name in PROBLEMS)
+    # addition-grpo's DiLoCo recipe (H 6, int4 with error feedback, its outer step) is DiLoCo's alone:
+    # DDP sends fp16 every step, as data-parallel training does.
+    grpo = PROBLEMS["addition-grpo"]
+    assert {k: grpo.settings(strategy="diloco")[k] for k in ("sync_every", "compress", "error_feedback")} == \
+        {"sync_every": 6, "compress": "int4", "error_feedback": True}
+    assert not {"sync_every", "compress", "error_feedback", "outer_lr"} & set(grpo.settings(strategy="ddp"))
 
 
 def test_gym_run_scores_the_run_and_compare_tables_it(tmp_path):
