@@ -32,25 +32,20 @@ AUTO = "auto"
 class NumberOrAuto:
     """The field type of an option that takes a number or 'auto', a value the run works out from
     its other settings (a strategy's outer-lr: strategies/outer_lr.py)."""
+    number, kind = float, "a number"
 
-    @staticmethod
-    def parse(text: str):
+    @classmethod
+    def parse(cls, text: str):
         """A flag's value: 'auto', or the number it reads as (argparse says the error otherwise)."""
         try:
-            return AUTO if text == AUTO else float(text)
+            return AUTO if text == AUTO else cls.number(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"'{text}' is neither a number nor {AUTO}") from None
+            raise argparse.ArgumentTypeError(f"'{text}' is neither {cls.kind} nor {AUTO}") from None
 
 
 class WholeOrAuto(NumberOrAuto):
     """An option of a whole number or 'auto' (a strategy's sync-every: sync_period.py)."""
-
-    @staticmethod
-    def parse(text: str):
-        try:
-            return AUTO if text == AUTO else int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"'{text}' is neither a whole number nor {AUTO}") from None
+    number, kind = int, "a whole number"
 
 
 def did_you_mean(key: str, names, valid: str = "valid") -> str:
