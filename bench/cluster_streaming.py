@@ -35,6 +35,11 @@ def split_line(what: str, record: dict) -> str:
     return f"  {what}: wall-clock {wall:.1f} s, the parts sum to {sum(split.values()) / wall:.1%}: {parts}"
 
 
+def older_flag(flag: str) -> str:
+    """A flag as a checkout from before --eval-sequences reads it (--eval-batches of 4 sequences)."""
+    return f"--eval-batches={int(flag.split('=')[1]) // 4}" if flag.startswith("--eval-sequences=") else flag
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="gpt-10m", help="model preset")
@@ -77,7 +82,8 @@ def main():
                     for code, root in checkouts.items():
                         cluster = clusters[code]
                         folder = name.split()[0].lower() + "-" + "-".join(f.split("=")[1] for f in flags) + f"-{repeat}"
-                        row = run_job(cluster, Path(tmp) / code, folder, base + flags, env={"PYTHONPATH": root})
+                        given = base if code == "here" else [older_flag(f) for f in base]
+                        row = run_job(cluster, Path(tmp) / code, folder, given + flags, env={"PYTHONPATH": root})
                         (log,) = cluster.folder.glob(f"host*/jobs/{folder}-*/worker-*/exchanges.jsonl")  # rank 0's
                         exchanges = [json.loads(line) for line in log.read_text().splitlines()]
                         n = len(exchanges)
