@@ -11,10 +11,10 @@ machine that ran it. Exchanges are timed on the problem's link (exchange/network
 
 from dataclasses import dataclass, field
 
-from ..config import ConfigError
+from ..config import ConfigError, TrainConfig
 from ..strategies import option_names, strategy_class, without_other_options
 
-DEFAULT_STRATEGY = "diloco"  # the strategy a problem's own options are for
+DEFAULT_STRATEGY = TrainConfig.strategy  # the strategy a problem's own options are for: the config's default
 
 SIZES = ("cpu", "large")
 

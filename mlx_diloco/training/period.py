@@ -51,12 +51,12 @@ def with_period(config, strategy, values: int = None) -> tuple:
         raise ConfigError("sync-every auto needs the seconds an inner step takes where the workers will train: "
                           "give the Trainer step_time=..., or a number of steps for sync_every")
     cost, source = sync_cost(config, strategy, values)
+    within_budget = choose_sync_every(cost, minimum=strategy.overlap_steps + 1)  # the smallest H within budget
     chosen = strategy.sync_every == AUTO
     if chosen:
-        strategy = type(strategy)(**{**strategy.options(), "sync_every": choose_sync_every(
-            cost, minimum=strategy.overlap_steps + 1)})
+        strategy = type(strategy)(**{**strategy.options(), "sync_every": within_budget})
     H = strategy.sync_every
     notes = [period_line(H, config.steps, cost, parse_link(config.link).describe(), source, chosen)]
-    if note := few_outer_steps(config.workers, H, config.steps, choose_sync_every(cost, strategy.overlap_steps + 1)):
+    if note := few_outer_steps(config.workers, H, config.steps, within_budget):
         notes.append(note)
     return strategy, notes
