@@ -144,6 +144,10 @@ def test_three_hosts_found_over_mdns_train_like_sim(cluster, tmp_path, options):
         assert final_loss(run_dir) == pytest.approx(sim_loss, rel=1e-3)
         return
     assert_same_params(cluster_global(cluster), sim_params)
+    # With no change, each worker wrote its outer-step checkpoints and nothing else: the state it holds
+    # before each exchange stays in memory (training/elastic.py; the two newest are kept).
+    for worker in cluster.folder.glob("host*/jobs/*/worker-*"):
+        assert sorted(int(p.stem.split("-")[1]) for p in worker.glob("ckpt-*.json")) == [8, 12], worker
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 4, 8, 12]
     assert rows[-1]["eval_loss"] == pytest.approx(sim_loss, rel=1e-4)
@@ -423,8 +427,9 @@ def test_a_launcher_killed_during_a_change_resumes_it(cluster, tmp_path):
 def test_a_worker_whose_state_misses_the_last_sync_catches_up(cluster, tmp_path):
     """A worker that died after an exchange but before its checkpoint holds a state from before a sync
     the others took: here worker 1's checkpoint of step 25 is deleted while the launcher is down, at
-    a planned change after step 25. The next ring sees it behind, and it takes the job's state from
-    worker 0 instead of pairing its redone sync with the others' next one."""
+    a planned change after step 25, which leaves it its outer-step checkpoint of step 20 (a worker
+    with no change writes no other state: training/elastic.py). The next ring sees it behind, and it
+    takes the job's state from worker 0 instead of pairing its redone sync with the others' next one."""
     config, run_dir = long_config(steps=40, sync_every=5, membership="0:3,26:2"), tmp_path / "run"
     proc = launch(config, run_dir, f"--hosts={cluster.hosts_flag}")
     wait_for_step(cluster, 1, 3)
@@ -432,9 +437,9 @@ def test_a_worker_whose_state_misses_the_last_sync_catches_up(cluster, tmp_path)
     (worker1,) = cluster.folder.glob("host*/jobs/*/worker-1")
     for path in worker1.glob("ckpt-25.*"):
         path.unlink()
-    (worker1 / "latest.json").write_text(json.dumps({"step": 24}))
+    (worker1 / "latest.json").write_text(json.dumps({"step": 20}))
     resume(run_dir)
-    assert "worker 1's state (step 24) is from before a sync the others took" in \
+    assert "worker 1's state (step 20) is from before a sync the others took" in \
         (run_dir / "logs" / "worker-1.log").read_text()
     assert summary_of(run_dir)["steps"] == config.steps
     _, sim_loss = sim_global(config, tmp_path)

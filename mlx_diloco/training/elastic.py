@@ -6,18 +6,19 @@ a lost worker:
 - the launcher asks a worker to stop through its agent (`StopRequests`): now (a member was lost), or
   at the next sync point (a machine joins there); a planned membership schedule stops the ring
   where it changes;
-- a worker saves its own state, without a collective (a peer may be gone), before every step that
-  meets its peers (a lost peer there would otherwise cost it its round), written in the background
-  while it trains on, where its memory has room for the state it holds meanwhile; and where it
-  stops, at once;
+- a worker holds its own state in memory (references, no copy) before every step that meets its
+  peers, and writes it to its disk, without a collective (a peer may be gone), only if that step
+  fails or the launcher asks it to stop while it waits there: a lost peer costs it nothing, and a
+  run with no change writes nothing (a save before each such step cost Streaming DiLoCo a tenth of
+  its wall-clock: bench/cluster_streaming.py). Where it stops for a change, it saves at once;
 - a new ring's workers are brought to one round: joiners, and a worker whose saved state misses a
   sync the others took, take the job's state from a member over the ring.
 
 `Elastic` is built only for a cluster worker's ring (Run.from_job), from the run's parts, and the
 run asks it at two seams, as torchft's DiLoCo asks its Manager at start_quorum (who is in the
 round, and a joiner's state) and should_commit (whether this worker goes on): `start` (the new
-ring brought to one round) and `before_tick` (a stop where one is due; else the save before a step
-that meets the peers).
+ring brought to one round) and `tick` (a stop where one is due; the state held around a step that
+meets the peers).
 """
 
 import json
@@ -25,6 +26,7 @@ import os
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -34,8 +36,12 @@ from ..atomic import atomic_write_text
 from ..options import ConfigError
 from ..records import PROGRESS, STOP, TIME
 from ..run_folder import latest_step
+from ..worker_job import STOPPED_FOR_CHANGE
 from . import checkpoint
 from .checkpoint import in_order_of
+
+WATCH_S = 0.25        # how often a worker waiting on its peers reads the launcher's stop request
+TICK_GRACE_S = 1.0    # how long it then lets the step return by itself before stopping where it waits
 
 
 class StoppedForChange(Exception):
@@ -76,29 +82,43 @@ class Elastic:
         self.slots = [self.ring[w] for w in comm.local_workers]
         self.stop_requests = StopRequests(job.control) if job.control else None
         self.memory_limit = memory_limit  # bytes the run may use (0: no limit)
-        self.saved_step, self.writer, self.write_failed = None, None, None  # the last local save, being written
+        self.held = None                    # (step, staged arrays, meta) before a tick that meets the peers
+        self.lock = threading.Lock()        # one writer of the held state: the run's thread or the watcher
+        self.tick_started = threading.Event()
 
     # ------------------------------------------------------------ the seams
     def start(self):
-        """As the ring starts, before its first collective: the ring brought to one round (`catch_up`)."""
+        """As the ring starts, before its first collective: the ring brought to one round (`catch_up`);
+        the watcher of stop requests started."""
         self.catch_up(self.job.joiners or [])
+        if self.stop_requests:
+            threading.Thread(target=self._watch, name="stop requests", daemon=True).start()
 
-    def before_tick(self, meets_peers: bool):
-        """Before each of the run's ticks: where the launcher or the schedule asks for it, this worker's
-        state saved and the run stopped (StoppedForChange); else, when the tick meets the peers
-        (`meets_peers`: an exchange starts or lands, an evaluation or a checkpoint gathers them), this
-        worker's state saved first."""
-        if not self.stop_requests:
-            return
-        if why := self.why_stop():
-            self.save_local_state(at_once=True)
-            self.finish_saves()
-            self.report_stop(why)
+    @contextmanager
+    def tick(self, meets_peers: bool):
+        """Around each of the run's ticks: where the launcher or the schedule asks for it, this worker's
+        state saved and the run stopped before the tick (StoppedForChange). A tick that meets the peers
+        (`meets_peers`: an exchange starts or lands, an evaluation or a checkpoint gathers them) may
+        never return (a lost peer): this worker's state before it is held, and written only if the
+        tick fails or the launcher asks this worker to stop while it waits (`_watch`)."""
+        if self.stop_requests and (why := self.why_stop()):
+            self.save_local_state()
+            self.report_stop(why, self.clock.steps)
             raise StoppedForChange(why)
-        if meets_peers:
-            self.save_local_state()  # a peer lost in the exchange ahead must not cost this worker its round
+        if not (meets_peers and self.stop_requests):
+            yield
+            return
+        self.hold()
+        try:
+            yield
+        except BaseException:  # a collective failed (a peer is gone), or the run was stopped
+            with self.lock:
+                self.write_held()
+            raise
+        finally:
+            with self.lock:  # (while the watcher writes the held state, it holds the lock until it exits)
+                self.held = None
 
-    # ------------------------------------------------------------ stopping for a change
     def why_stop(self) -> str:
         """Why this worker saves its state and exits after the step it just took, if it does: a change
         the schedule plans, or the launcher's request ('' when it goes on)."""
@@ -116,61 +136,78 @@ class Elastic:
         a leave at the next."""
         return any((c.worker in self.ring) != c.joined for c in self.pacing.ring_changes(step))
 
-    def save_local_state(self, at_once: bool = False):
+    def save_local_state(self):
         """This worker's own state (weights, moments, data cursor, the global model and outer state,
-        an exchange in flight) on its own disk, with no collective: a peer may be gone. What it resumes
-        from after a membership change, so it keeps the inner steps it took. This machine's next process
-        reads it, so it is left to the page cache (not synced to the disk: a process's death does not
-        lose it). Written by a thread of its own while the run trains on (the run's step does not wait
-        for the disk: bench/cluster_streaming.py), one save at a time, unless `at_once`, or the memory
-        limit has no room for the state the save holds meanwhile (the step makes new weights and moments
-        beside it), or the strategy's outer state waits in files (offload-outer: read one array at a time).
-        On Linux the writing thread runs at the lowest priority: the run's own threads first."""
+        an exchange in flight) on its own disk, now, with no collective: a peer may be gone. What it
+        resumes from after a membership change, so it keeps the inner steps it took. This machine's
+        next process reads it, so it is left to the page cache (not synced to the disk: a process's
+        death does not lose it)."""
         step = self.clock.steps
-        if step in (self.saved_step, latest_step(self.checkpoint_dir)):
-            return
-        with self.clock.part(TIME.save_s):
-            self.finish_saves()
-            arrays, meta = self.snapshot()
-            if at_once or self.strategy.offloads_outer or not self._room_for(arrays):
+        if step != latest_step(self.checkpoint_dir):
+            with self.clock.part(TIME.save_s):
+                arrays, meta = self.snapshot()
                 checkpoint.save(self.checkpoint_dir, step, arrays, meta, durable=False)  # empties `arrays`
-            else:
-                staged = checkpoint.stage(arrays)
-                self.writer = threading.Thread(target=self._write, args=(step, staged, meta), name="local save")
-                self.writer.start()
-            self.saved_step = step
 
-    def _write(self, step: int, staged: dict, meta: dict):
-        if sys.platform == "linux":  # a thread is a task of its own there: the run's threads come first
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        try:
+    def hold(self):
+        """Before a tick that meets the peers: this worker's state as it is, held in memory (references
+        to evaluated arrays, no copy), for `write_held` should the tick not complete. Where the memory
+        limit has no room for it beside the new weights and moments the tick makes, or the strategy's
+        outer state waits in files (offload-outer), it is saved to the disk at once instead."""
+        step = self.clock.steps
+        if step == latest_step(self.checkpoint_dir):
+            return
+        arrays, meta = self.snapshot()
+        if self.strategy.offloads_outer or not self._room_for(arrays):
+            with self.clock.part(TIME.save_s):
+                checkpoint.save(self.checkpoint_dir, step, arrays, meta, durable=False)
+            return
+        with self.clock.part(TIME.save_s):  # (evaluated already: views, no copy)
+            self.held = (step, checkpoint.stage(arrays), meta)
+        self.tick_started.set()
+
+    def write_held(self):
+        """The held state on the disk (by the thread that holds `lock`), unless a newer one is there."""
+        if self.held is not None and self.held[0] > (latest_step(self.checkpoint_dir) or -1):
+            step, staged, meta = self.held
             checkpoint.save(self.checkpoint_dir, step, staged, meta, durable=False)
-        except BaseException as e:  # said where the run next waits for it (finish_saves)
-            self.write_failed = e
 
-    def finish_saves(self):
-        """Wait for the save being written, if any (before another save, a checkpoint, a stop)."""
-        if self.writer is not None:
-            self.writer.join()
-            self.writer = None
-        if self.write_failed is not None:
-            failed, self.write_failed = self.write_failed, None
-            raise failed
+    def _watch(self):
+        """A thread of its own: when the launcher asks this worker to stop now while a tick that meets
+        the peers has not returned (it waits on a lost peer: MLX's ring hangs on a stalled one), the
+        held state is written, the stop reported, and the process ends here; the main thread, waiting
+        in the collective, cannot."""
+        while True:
+            self.tick_started.wait()
+            self.tick_started.clear()
+            while (held := self.held) is not None:
+                time.sleep(WATCH_S)
+                if self.stop_requests.asked().get("stop") != "now":
+                    continue
+                time.sleep(TICK_GRACE_S)  # a tick that returns by itself stops at the next one (`tick`)
+                with self.lock:
+                    if self.held is not held:
+                        break
+                    self.write_held()
+                    step = max(held[0], latest_step(self.checkpoint_dir) or 0)
+                    why = f"step {step}: stopped by the launcher while waiting on a lost peer"
+                    self.report_stop(why, step)
+                    print(why, file=sys.stderr, flush=True)
+                    os._exit(STOPPED_FOR_CHANGE)
 
     def _room_for(self, arrays: dict) -> bool:
-        """Whether the memory limit (none: room) holds the run's peak and the state a save holds."""
+        """Whether the memory limit (none: room) holds the run's peak and the state held beside it."""
         held = sum(v.nbytes for _, v in tree_flatten(arrays))
         return not self.memory_limit or mx.get_peak_memory() + held <= self.memory_limit
 
-    def report_stop(self, why: str):
-        """Tell the launcher (through the progress file its agent reads) where this worker stopped and
-        who the members are from the next step on."""
+    def report_stop(self, why: str, step: int):
+        """Tell the launcher (through the progress file its agent reads) that this worker stopped with
+        its state of `step` saved, and who the members are from the next step on."""
         if not self.job.progress:
             return
         path = Path(self.job.progress)
         progress = json.loads(path.read_text()) if path.exists() else {}
-        members = self.pacing.member_slots(self.clock.steps + 1)
-        stopped = STOP.check({STOP.step: self.clock.steps, STOP.why: why, STOP.members: members,
+        members = self.pacing.member_slots(step + 1)
+        stopped = STOP.check({STOP.step: step, STOP.why: why, STOP.members: members,
                               STOP.time: time.time()})
         atomic_write_text(path, json.dumps({**progress, PROGRESS.stopped: stopped}))
 

@@ -12,7 +12,7 @@ import json
 import math
 import shutil
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -266,9 +266,10 @@ class Run:
     def step(self, batch=None):
         """One tick of the job. `batch`: this process's (x, y), each with a leading axis over its
         workers (default: the next batch of each worker's shard)."""
-        with self.clock.tick():  # (clock.py: where the time goes)
-            if self.elastic:  # an elastic cluster's worker: it may stop here for a membership change
-                self.elastic.before_tick(meets_peers=self._meets_peers(self.steps_done + 1))
+        # An elastic cluster's worker may stop before the tick for a membership change, and holds its
+        # state through a tick that meets its peers (training/elastic.py).
+        elastic = self.elastic.tick(self._meets_peers(self.steps_done + 1)) if self.elastic else nullcontext()
+        with self.clock.tick(), elastic:  # (clock.py: where the time goes)
             self.end_step(self.inner_step(batch))
 
     def inner_step(self, batch=None) -> Tick:
@@ -467,13 +468,12 @@ class Run:
         self.objective.load_state(meta.get(OPTIONAL_META.objective) or {})
 
     def save_checkpoint(self):
-        if self.elastic:  # a local save being written first (the newest checkpoint is the last written)
-            self.elastic.finish_saves()
         # Weights not yet exchanged (other fragments', or with an exchange in flight) are checked here:
         # a checkpoint never keeps a NaN that a resumed run would train on.
         self.comm.check_finite(self.workers.params, "its weights")
         arrays, meta = self.state()
-        checkpoint.save(self.checkpoint_dir, self.steps_done, arrays, meta)  # empties `arrays` as it writes
+        with self.elastic.lock if self.elastic else nullcontext():  # (one writer: elastic.py's watcher)
+            checkpoint.save(self.checkpoint_dir, self.steps_done, arrays, meta)  # empties `arrays` as it writes
         if self.reporter and self.config.fine_tune_type in ADAPTER_TYPES:  # the global adapters, for mlx-lm
             save_adapters(self.run_dir / ADAPTERS, self.global_params(),
                           {**adapter_config(self.config), "model": self.config.model})
