@@ -69,7 +69,7 @@ def main():
     lines = [f"2 hosts at {args.rate}, model {args.model}, 4x64 tokens a step, H={args.sync_every}, {args.steps} steps; "
              f"streaming: P={args.fragments}" + (f"; here: {ROOT}, base: {checkouts['base']}" if args.base else ""),
              f"{'run':22} {'code':5} {'compute/step':>13} {'exchanges':>9} {'largest':>9} {'blocked/exchange':>17} "
-             f"{'modelled/exchange':>18} {'util (measured)':>16} {'util (modelled)':>16} {'compute/wall':>13}"]
+             f"{'modelled/exchange':>18} {'util (measured)':>16} {'util (modelled)':>16} {'compute/wall':>13} {'wall':>8}"]
     print(lines[0], flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         clusters = {}
@@ -92,7 +92,7 @@ def main():
                                 f"{sum(e['blocked_s'] for e in exchanges) / n * 1e3:>14.1f} ms "
                                 f"{sum(e['modelled_s'] for e in exchanges) / n * 1e3:>15.1f} ms "
                                 f"{row['measured_utilisation']:>16.1%} {row['utilisation']:>16.1%} "
-                                f"{row['compute_s'] / row['wall_s']:>13.1%}")
+                                f"{row['compute_s'] / row['wall_s']:>13.1%} {row['wall_s']:>6.1f} s")
                         summary = json.loads((Path(tmp) / code / folder / "summary.json").read_text())
                         print(line, flush=True)
                         lines.append(line)
@@ -108,7 +108,9 @@ def main():
         "  result; includes waiting for the slower peer); modelled/exchange: the network model's time.",
         "util (measured): compute / (compute + blocked); util (modelled): compute / (compute + the",
         "  modelled exchange time that the overlapped steps do not hide); compute/wall: rank 0's compute",
-        "  over the wall-clock time since its process started the run (saves, evaluation included).",
+        "  over the wall-clock time since its process started the run (saves, evaluation included); wall:",
+        "  that wall-clock, the outcome (a share moves with the step's speed too: a faster step lowers",
+        "  compute/wall at the same wall-clock).",
         "rank 0's last row, the job: where the wall-clock went (records.TIME), as shares of it; the job's",
         "  is the launcher's wall-clock: rank 0's split, the launcher's own start-up and restarts."], args.out)
 
