@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 from mlx_diloco.blas import ensure_fast_blas  # noqa: E402
 
 FLAGS = ["--model=tiny", "--workers=3", "--sync-every=5", "--seq-len=32", "--batch-size=8", "--compress=fp32",
-         "--warmup=2", "--eval-batches=2", "--membership=0:3,12:2,19:3"]
+         "--warmup=2", "--eval-sequences=16", "--membership=0:3,12:2,19:3"]
 
 
 def launch(cluster, root: str, run_dir: Path, steps: int):
