@@ -89,8 +89,10 @@ def project_step(model_name: str, precision: str, workers: int, batch_size: int,
     spec = load_spec(model_name)
     model = build_model(spec)
     convert_model(model, config)
-    strategy = make_strategy(config.strategy, config.strategy_options).for_job(config.workers, config.steps).bind(
-        comm, config.steps)
+    strategy = make_strategy(config.strategy, config.strategy_options)
+    if hasattr(strategy, "for_job"):  # (the package before issue 45 resolved auto options in bind)
+        strategy = strategy.for_job(config.workers, config.steps)
+    strategy = strategy.bind(comm, config.steps)
     strategy.setup(model.trainable_parameters())
     w = Workers(model, comm.n_local, config, strategy.inner_optimizer(config), masked=bool(lora_rank),
                 vectorize="auto", log=lambda m: None)
