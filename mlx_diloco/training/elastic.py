@@ -192,7 +192,8 @@ class Elastic:
                     why = f"step {step}: stopped by the launcher while waiting on a lost peer"
                     self.report_stop(why, step)
                     print(why, file=sys.stderr, flush=True)
-                    os._exit(STOPPED_FOR_CHANGE)
+                    sys.stdout.flush()
+                    os._exit(STOPPED_FOR_CHANGE)  # (as training/worker.py ends a worker stopped for a change)
 
     def _room_for(self, arrays: dict) -> bool:
         """Whether the memory limit (none: room) holds the run's peak and the state held beside it."""
