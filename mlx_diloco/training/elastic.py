@@ -33,6 +33,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..atomic import atomic_write_text
+from ..exchange.comm import NonFiniteValues
 from ..options import ConfigError
 from ..records import PROGRESS, STOP, TIME
 from ..run_folder import latest_step
@@ -111,7 +112,9 @@ class Elastic:
         self.hold()
         try:
             yield
-        except BaseException:  # a collective failed (a peer is gone), or the run was stopped
+        except (ConfigError, NonFiniteValues):  # the run stops (diverged, bad input): no state to resume from
+            raise
+        except BaseException:  # a collective failed (a peer is gone), or the worker was stopped
             with self.lock:
                 self.write_held()
             raise
