@@ -6,7 +6,8 @@ DiLoCo's eval loss at M = 1, 2, 4, 8 replicas against data-parallel (DP), every 
 The recipe is the paper's (bench/tiny_recipe.py): 20 tokens per parameter, H = 30, outer Nesterov
 momentum 0.9, AdamW 0.9/0.99, weight decay 1/T, warmup then cosine to 5%, clipping 1.0. As the paper
 takes each cell as the best over inner lr, global batch and outer lr, so here:
-  DP:     the inner lr on a sqrt(2) grid, walked until the best is interior, at global batches 8-64;
+  DP:     the inner lr on a sqrt(2) grid, walked until the best is interior, at global batches 8-64,
+          halved or doubled while the best batch is at an end;
   M:      at DP's best batch B*, 2B* and 4B* (each replica B/M): the inner lr walked at outer lr 0.6,
           then the outer lr over the paper's grid {0.2, ..., 1.0} (one step past an end where the best
           is there) at that inner lr, then the inner lr again at the best outer lr;
@@ -55,11 +56,21 @@ def steps(batch: int) -> int:
 
 
 def tune_dp(runs: Runs) -> dict:
-    """DP's best over inner lr and global batch (each batch's lr walk starts from 8e-3 x sqrt(B/16))."""
-    for batch in BATCHES:
-        walk_values(lambda lr: runs.loss(dp_config(steps(batch), lr, batch)), INNER_LRS,
-                    near(8e-3 * (batch / 16) ** 0.5))
-    return runs.best(lambda c: c["strategy"] == "ddp" and c["seed"] == 0)
+    """DP's best over inner lr and global batch (each batch's lr walk starts from 8e-3 x sqrt(B/16)),
+    the batches extended by halving or doubling while the best is at an end (the first sweep found
+    DP best at 8, the smallest of BATCHES)."""
+    batches = list(BATCHES)
+    while True:
+        for batch in batches:  # (runs already made are read back, not run again)
+            walk_values(lambda lr: runs.loss(dp_config(steps(batch), lr, batch)), INNER_LRS,
+                        near(8e-3 * (batch / 16) ** 0.5))
+        best = runs.best(lambda c: c["strategy"] == "ddp" and c["seed"] == 0 and c["batch_size"] in batches)
+        if best["batch_size"] == batches[0] and batches[0] > 2:
+            batches.insert(0, batches[0] // 2)
+        elif best["batch_size"] == batches[-1]:
+            batches.append(batches[-1] * 2)
+        else:
+            return best
 
 
 def tune_faithful(runs: Runs, M: int, batch: int, lr0: float) -> dict:
