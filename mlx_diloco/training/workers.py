@@ -73,11 +73,24 @@ def clip_scale(grads, max_norm: float, size: int = UPDATE_GROUP) -> mx.array:
     return clip_factor(sq, max_norm)
 
 
-def squared_norms(leaves, sq=0) -> mx.array:
-    """`sq` plus each replica's sum of squares over `leaves` (each with the worker axis first)."""
-    for g in leaves:
-        sq = sq + mx.sum(mx.square(g.reshape(g.shape[0], -1)), axis=1)
+def squared_norms(leaves, sq=0, streams=None) -> mx.array:
+    """`sq` plus each replica's sum of squares over `leaves` (each with the worker axis first), added
+    in their order; each leaf's own sum on one of `streams` (UpdateStreams.spread: by size)."""
+    sums = [mx.sum(mx.square(g.reshape(g.shape[0], -1)), axis=1, stream=s)
+            for g, s in zip(leaves, spread(leaves, streams or [None]))]
+    for part in sums:
+        sq = sq + part
     return sq
+
+
+def spread(arrays, streams) -> list:
+    """A stream for each array, the least loaded (in elements) so far: the same for the same sizes."""
+    load, chosen = [0] * len(streams), []
+    for a in arrays:
+        i = load.index(min(load))
+        load[i] += a.size
+        chosen.append(streams[i])
+    return chosen
 
 
 def clip_factor(sq: mx.array, max_norm: float) -> mx.array:
@@ -106,21 +119,24 @@ class UpdateStreams:
         if mx.default_device() != mx.cpu:
             threads = 1
         self.streams = [mx.default_stream(mx.default_device())] + [mx.new_stream(mx.cpu) for _ in range(threads - 1)]
-        self.optimizer, self.load, self.scale = optimizer, [0] * threads, None
+        self.optimizer, self.scale, self.chosen = optimizer, None, iter(())
         for o in getattr(optimizer, "optimizers", [optimizer]):  # a MultiOptimizer's parts
             o.apply_single = self._on_a_stream(o.apply_single)
 
     def apply(self, grads, params, scale=None):
         """The optimizer's update of `params` by `grads`, each replica's gradients times its `scale`
         (shape (n,); None: not clipped)."""
-        self.load, self.scale = [0] * len(self.streams), scale
+        # the optimizer visits the parameters in the order of their tree, as tree_flatten lists them
+        self.scale, self.chosen = scale, iter(spread([p for _, p in tree_flatten(params)], self.streams))
         return self.optimizer.apply_gradients(grads, params)
+
+    def squared_norms(self, leaves) -> mx.array:
+        """Each replica's sum of squares over `leaves`, the leaves' sums spread over the streams."""
+        return squared_norms(leaves, streams=self.streams)
 
     def _on_a_stream(self, apply_single):
         def applied(gradient, parameter, state):
-            i = self.load.index(min(self.load))
-            self.load[i] += parameter.size
-            with mx.stream(self.streams[i]):
+            with mx.stream(next(self.chosen, self.streams[0])):
                 if self.scale is not None:
                     gradient = gradient * self.scale.reshape((-1,) + (1,) * (gradient.ndim - 1)).astype(gradient.dtype)
                 return apply_single(gradient, parameter, state)
@@ -311,7 +327,8 @@ class Workers:
         """The whole inner step, a pure function of its inputs (for mx.compile): the losses, the
         gradients (for the strategy's hook) and the clipped update's parameters and state."""
         losses, grads = self._grads(params, x, y)
-        scale = clip_factor(squared_norms(sorted_leaves(grads)), self.config.grad_clip) if self.clip else None
+        scale = clip_factor(self.update_streams.squared_norms(sorted_leaves(grads)), self.config.grad_clip) \
+            if self.clip else None
         return losses, grads, self._clip_and_update(params, grads, state, scale)
 
     def _clip_and_update_some(self, params, grads, state, scale, active):
