@@ -114,21 +114,26 @@ class UpdateStreams:
     orders the streams' work by its dependencies; a parameter's clipping and update share its stream
     (MLX fuses no kernel across streams). One stream (the default) on a GPU or a single thread."""
 
-    def __init__(self, optimizer, threads: int = None):
+    def __init__(self, threads: int = None):
         threads = cpu_threads() if threads is None else threads
         if mx.default_device() != mx.cpu:
             threads = 1
         self.streams = [mx.default_stream(mx.default_device())] + [mx.new_stream(mx.cpu) for _ in range(threads - 1)]
-        self.optimizer, self.scale, self.chosen = optimizer, None, iter(())
-        for o in getattr(optimizer, "optimizers", [optimizer]):  # a MultiOptimizer's parts
-            o.apply_single = self._on_a_stream(o.apply_single)
+        self.scale, self.chosen = None, iter(())
 
-    def apply(self, grads, params, scale=None):
-        """The optimizer's update of `params` by `grads`, each replica's gradients times its `scale`
-        (shape (n,); None: not clipped)."""
+    def apply(self, optimizer, grads, params, scale=None):
+        """`optimizer`'s update of `params` by `grads`, each replica's gradients times its `scale`
+        (shape (n,); None: not clipped). The optimizer is an argument: whoever holds it may swap it."""
+        for o in getattr(optimizer, "optimizers", [optimizer]):  # a MultiOptimizer's parts
+            if not hasattr(o, "_apply_single_on_one_stream"):
+                o._apply_single_on_one_stream = o.apply_single
+                o.apply_single = self._on_a_stream(o._apply_single_on_one_stream)
         # the optimizer visits the parameters in the order of their tree, as tree_flatten lists them
         self.scale, self.chosen = scale, iter(spread([p for _, p in tree_flatten(params)], self.streams))
-        return self.optimizer.apply_gradients(grads, params)
+        try:
+            return optimizer.apply_gradients(grads, params)
+        finally:  # (inside mx.compile they are the trace's: none may outlive it)
+            self.scale, self.chosen = None, iter(())
 
     def squared_norms(self, leaves) -> mx.array:
         """Each replica's sum of squares over `leaves`, the leaves' sums spread over the streams."""
@@ -213,7 +218,7 @@ class Workers:
         # One fused kernel per parameter instead of ~15 elementwise passes: the N-fold
         # optimizer work is most of what simulating N workers costs over one big batch.
         # The random state goes in and out: bf16 updates round stochastically (strategies/base.py).
-        self.update_streams = UpdateStreams(optimizer)
+        self.update_streams = UpdateStreams()
         self._update = mx.compile(self._clip_and_update, inputs=[mx.random.state], outputs=[mx.random.state])
         self._masked_update = mx.compile(self._clip_and_update_some, inputs=[mx.random.state],
                                          outputs=[mx.random.state])
@@ -320,7 +325,7 @@ class Workers:
     def _clip_and_update(self, params, grads, state, scale):
         """Pure function of its inputs (for mx.compile): the optimizer state goes in and out."""
         self.optimizer.state = state
-        params = self.update_streams.apply(grads, params, scale if self.clip else None)
+        params = self.update_streams.apply(self.optimizer, grads, params, scale if self.clip else None)
         return params, self.optimizer.state
 
     def _clip_and_update_step(self, params, state, x, y):
