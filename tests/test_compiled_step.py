@@ -109,7 +109,7 @@ def test_the_update_spread_over_cpu_streams_trains_as_on_one(monkeypatch, precis
         if precision == "bf16":
             to_bf16(model)
         workers = Workers(model, 2, config, default_inner_optimizer(config), log=lambda m: None)
-        assert workers.update_streams == threads
+        assert len(workers.update_streams.streams) == threads
         rng = np.random.default_rng(0)
         for step in range(1, 4):
             x = mx.array(rng.integers(0, 256, (2, 4, 16)))

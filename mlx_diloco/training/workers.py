@@ -73,11 +73,24 @@ def clip_scale(grads, max_norm: float, size: int = UPDATE_GROUP) -> mx.array:
     return clip_factor(sq, max_norm)
 
 
-def squared_norms(leaves, sq=0) -> mx.array:
-    """`sq` plus each replica's sum of squares over `leaves` (each with the worker axis first)."""
-    for g in leaves:
-        sq = sq + mx.sum(mx.square(g.reshape(g.shape[0], -1)), axis=1)
+def squared_norms(leaves, sq=0, streams=None) -> mx.array:
+    """`sq` plus each replica's sum of squares over `leaves` (each with the worker axis first), added
+    in their order; each leaf's own sum on one of `streams` (UpdateStreams.spread: by size)."""
+    sums = [mx.sum(mx.square(g.reshape(g.shape[0], -1)), axis=1, stream=s)
+            for g, s in zip(leaves, spread(leaves, streams or [None]))]
+    for part in sums:
+        sq = sq + part
     return sq
+
+
+def spread(arrays, streams) -> list:
+    """A stream for each array, the least loaded (in elements) so far: the same for the same sizes."""
+    load, chosen = [0] * len(streams), []
+    for a in arrays:
+        i = load.index(min(load))
+        load[i] += a.size
+        chosen.append(streams[i])
+    return chosen
 
 
 def clip_factor(sq: mx.array, max_norm: float) -> mx.array:
@@ -93,35 +106,46 @@ def cpu_threads() -> int:
         if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def spread_over_streams(optimizer, threads: int = None) -> int:
-    """On the CPU, the optimizer's per-parameter updates split over one MLX stream per thread, by
-    size: MLX's CPU runs an elementwise kernel on one thread, and the update, a few passes over N
-    replicas' weights, gradients and moments, would leave the other cores idle after the backward
-    pass (BLAS's matmuls use them all). Each stream has its thread; MLX orders the streams'
-    work by its dependencies. The streams in use (1: nothing changed, as on a GPU)."""
-    threads = cpu_threads() if threads is None else threads
-    if mx.default_device() != mx.cpu or threads < 2:
-        return 1
-    streams = [mx.default_stream(mx.cpu), *(mx.new_stream(mx.cpu) for _ in range(threads - 1))]
-    for o in getattr(optimizer, "optimizers", [optimizer]):  # a MultiOptimizer's parts
-        _on_streams(o, streams)
-    return len(streams)
+class UpdateStreams:
+    """The optimizer's per-parameter updates, each with its gradient's clipping, spread by size over
+    one MLX stream per thread on the CPU: MLX's CPU runs an elementwise kernel on one thread, and the
+    update, a few passes over N replicas' weights, gradients and moments, would leave the other cores
+    idle after the backward pass (BLAS's matmuls use them all). Each stream has its thread, and MLX
+    orders the streams' work by its dependencies; a parameter's clipping and update share its stream
+    (MLX fuses no kernel across streams). One stream (the default) on a GPU or a single thread."""
 
+    def __init__(self, threads: int = None):
+        threads = cpu_threads() if threads is None else threads
+        if mx.default_device() != mx.cpu:
+            threads = 1
+        self.streams = [mx.default_stream(mx.default_device())] + [mx.new_stream(mx.cpu) for _ in range(threads - 1)]
+        self.scale, self.chosen = None, iter(())
 
-def _on_streams(optimizer, streams):
-    apply_gradients, apply_single = optimizer.apply_gradients, optimizer.apply_single
-    load = [0] * len(streams)  # elements given to each stream in this update
+    def apply(self, optimizer, grads, params, scale=None):
+        """`optimizer`'s update of `params` by `grads`, each replica's gradients times its `scale`
+        (shape (n,); None: not clipped). The optimizer is an argument: whoever holds it may swap it."""
+        for o in getattr(optimizer, "optimizers", [optimizer]):  # a MultiOptimizer's parts
+            if not hasattr(o, "_apply_single_on_one_stream"):
+                o._apply_single_on_one_stream = o.apply_single
+                o.apply_single = self._on_a_stream(o._apply_single_on_one_stream)
+        # the optimizer visits the parameters in the order of their tree, as tree_flatten lists them
+        self.scale, self.chosen = scale, iter(spread([p for _, p in tree_flatten(params)], self.streams))
+        try:
+            return optimizer.apply_gradients(grads, params)
+        finally:  # (inside mx.compile they are the trace's: none may outlive it)
+            self.scale, self.chosen = None, iter(())
 
-    def gradients_applied(gradients, parameters):
-        load[:] = [0] * len(streams)
-        return apply_gradients(gradients, parameters)
+    def squared_norms(self, leaves) -> mx.array:
+        """Each replica's sum of squares over `leaves`, the leaves' sums spread over the streams."""
+        return squared_norms(leaves, streams=self.streams)
 
-    def single_applied(gradient, parameter, state):
-        i = load.index(min(load))
-        load[i] += parameter.size
-        with mx.stream(streams[i]):
-            return apply_single(gradient, parameter, state)
-    optimizer.apply_gradients, optimizer.apply_single = gradients_applied, single_applied
+    def _on_a_stream(self, apply_single):
+        def applied(gradient, parameter, state):
+            with mx.stream(next(self.chosen, self.streams[0])):
+                if self.scale is not None:
+                    gradient = gradient * self.scale.reshape((-1,) + (1,) * (gradient.ndim - 1)).astype(gradient.dtype)
+                return apply_single(gradient, parameter, state)
+        return applied
 
 
 def row(y, i: int):
@@ -194,7 +218,7 @@ class Workers:
         # One fused kernel per parameter instead of ~15 elementwise passes: the N-fold
         # optimizer work is most of what simulating N workers costs over one big batch.
         # The random state goes in and out: bf16 updates round stochastically (strategies/base.py).
-        self.update_streams = spread_over_streams(optimizer)
+        self.update_streams = UpdateStreams()
         self._update = mx.compile(self._clip_and_update, inputs=[mx.random.state], outputs=[mx.random.state])
         self._masked_update = mx.compile(self._clip_and_update_some, inputs=[mx.random.state],
                                          outputs=[mx.random.state])
@@ -301,16 +325,15 @@ class Workers:
     def _clip_and_update(self, params, grads, state, scale):
         """Pure function of its inputs (for mx.compile): the optimizer state goes in and out."""
         self.optimizer.state = state
-        if self.clip:
-            grads = tree_map(lambda g: g * scale.reshape((-1,) + (1,) * (g.ndim - 1)).astype(g.dtype), grads)
-        params = self.optimizer.apply_gradients(grads, params)
+        params = self.update_streams.apply(self.optimizer, grads, params, scale if self.clip else None)
         return params, self.optimizer.state
 
     def _clip_and_update_step(self, params, state, x, y):
         """The whole inner step, a pure function of its inputs (for mx.compile): the losses, the
         gradients (for the strategy's hook) and the clipped update's parameters and state."""
         losses, grads = self._grads(params, x, y)
-        scale = clip_factor(squared_norms(sorted_leaves(grads)), self.config.grad_clip) if self.clip else None
+        scale = clip_factor(self.update_streams.squared_norms(sorted_leaves(grads)), self.config.grad_clip) \
+            if self.clip else None
         return losses, grads, self._clip_and_update(params, grads, state, scale)
 
     def _clip_and_update_some(self, params, grads, state, scale, active):
