@@ -222,12 +222,10 @@ def test_lost_machine_the_job_goes_on_with_the_rest(cluster, tmp_path):
     assert failure["time"] - lost_at < 10
     left = [e for e in events(run_dir) if e["event"] == "left"]
     assert [(e["worker"], e["workers"]) for e in left] == [(2, 2)]
-    # The survivors wait at step 45's exchange for the lost machine: asked to stop, each writes the
-    # state it held before that step (a thread of its own: training/elastic.py) and resumes from it.
+    # The survivors meet the lost machine at step 45's exchange: whether it raises or they wait until
+    # the launcher asks them to stop (a thread of their own), each writes the state it held before
+    # that step (training/elastic.py) and resumes from it.
     assert [e["resume_step"] for e in events(run_dir) if e["event"] == "started"][-1] == {"0": 44, "1": 44}
-    for worker in (0, 1):
-        assert "step 44: stopped by the launcher while waiting on a lost peer" in \
-            (run_dir / "logs" / f"worker-{worker}.log").read_text()
     _, sim_loss = sim_global(config, tmp_path)
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == config.steps and rows[-1]["members"] == 2 and summary_of(run_dir)["workers"] == 2
