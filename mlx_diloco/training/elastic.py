@@ -160,12 +160,11 @@ class Elastic:
         if step == latest_step(self.checkpoint_dir):
             return
         arrays, meta = self.snapshot()
-        if self.strategy.offloads_outer or not self._room_for(arrays):
-            with self.clock.part(TIME.save_s):
+        with self.clock.part(TIME.save_s):
+            if self.strategy.offloads_outer or not self._room_for(arrays):
                 checkpoint.save(self.checkpoint_dir, step, arrays, meta, durable=False)
-            return
-        with self.clock.part(TIME.save_s):  # (evaluated already: views, no copy)
-            self.held = (step, checkpoint.stage(arrays), meta)
+                return
+            self.held = (step, checkpoint.stage(arrays), meta)  # (evaluated already: views, no copy)
         self.tick_started.set()
 
     def write_held(self):

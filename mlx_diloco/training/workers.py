@@ -75,7 +75,7 @@ def clip_scale(grads, max_norm: float, size: int = UPDATE_GROUP) -> mx.array:
 
 def squared_norms(leaves, sq=0, streams=None) -> mx.array:
     """`sq` plus each replica's sum of squares over `leaves` (each with the worker axis first), added
-    in their order; each leaf's own sum on one of `streams` (UpdateStreams.spread: by size)."""
+    in their order; each leaf's own sum on one of `streams` (`spread`: by size)."""
     sums = [mx.sum(mx.square(g.reshape(g.shape[0], -1)), axis=1, stream=s)
             for g, s in zip(leaves, spread(leaves, streams or [None]))]
     for part in sums:
