@@ -82,7 +82,8 @@ def main():
                     for code, root in checkouts.items():
                         cluster = clusters[code]
                         folder = name.split()[0].lower() + "-" + "-".join(f.split("=")[1] for f in flags) + f"-{repeat}"
-                        given = base if code == "here" else [older_flag(f) for f in base]
+                        knows = "eval_sequences" in (Path(root) / "mlx_diloco" / "config.py").read_text()
+                        given = base if knows else [older_flag(f) for f in base]
                         row = run_job(cluster, Path(tmp) / code, folder, given + flags, env={"PYTHONPATH": root})
                         (log,) = cluster.folder.glob(f"host*/jobs/{folder}-*/worker-*/exchanges.jsonl")  # rank 0's
                         exchanges = [json.loads(line) for line in log.read_text().splitlines()]
