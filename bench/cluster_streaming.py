@@ -10,6 +10,9 @@ workers, on a cluster of their own), alternating with this one's, run by run.
 
     sudo .venv/bin/python bench/cluster_streaming.py      # ~10 minutes on a 2-core machine
     sudo .venv/bin/python bench/cluster_streaming.py --base /work/base-eb140cf --repeats 2
+
+--keep FOLDER keeps every host's job folders (workers' logs, exchanges.jsonl of rank 0) for a look
+at single exchanges.
 """
 
 import argparse
@@ -51,6 +54,7 @@ def main():
     p.add_argument("--base", help="another checkout: its runs alternate with this one's")
     p.add_argument("--repeats", type=int, default=1, help="runs of each setup (alternating with --base's)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "cluster_streaming.txt"))
+    p.add_argument("--keep", help="a folder to keep the runs in (each host's job folders, logs included)")
     args = p.parse_args()
     ensure_fast_blas([__file__, *sys.argv[1:]])
     from cluster_links import run_job, save_table
@@ -71,7 +75,8 @@ def main():
              f"{'run':22} {'code':5} {'compute/step':>13} {'exchanges':>9} {'largest':>9} {'blocked/exchange':>17} "
              f"{'modelled/exchange':>18} {'util (measured)':>16} {'util (modelled)':>16} {'compute/wall':>13} {'wall':>8}"]
     print(lines[0], flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = args.keep or scratch
         clusters = {}
         try:
             for name, root in checkouts.items():  # each checkout's own agents (PYTHONPATH: its package)

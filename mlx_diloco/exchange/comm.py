@@ -105,13 +105,21 @@ class CollectiveRecord:
 class Pending:
     """An exchange that has been started; `result()` waits for it and returns the mean, or raises
     NonFiniteValues if any worker's values were not finite. `lost` (when asked for): what the
-    whole exchange lost of each local worker's part, (n_local, L), once `result()` has returned."""
+    whole exchange lost of each local worker's part, (n_local, L), once `result()` has returned.
 
-    def __init__(self, comm: "Communicator", out, record: CollectiveRecord, finish, check=None, lost=None):
+    Starting it runs its collectives (`messages`: their results, the check's first) and what they
+    need; what comes after them (decoding, the mean) runs when the result is asked for. MLX's
+    async_eval stops its caller while more than 10 tasks (of 10 ops each) wait to finish, and every
+    op queued behind a collective on its stream waits for the collective: an exchange started with
+    its decoding kept the training loop waiting for the link (Streaming int4 on the emulated cluster:
+    259 ms blocked per exchange, 161 ms with this; bench/cluster_streaming.py)."""
+
+    def __init__(self, comm: "Communicator", out, record: CollectiveRecord, finish, messages: list,
+                 check=None, lost=None):
         self._comm, self._out, self.record, self._finish = comm, out, record, finish
         self._check, self.lost = check, lost
         with comm._blocked(record):  # on the CPU stream, starting an exchange can block too
-            mx.async_eval(out, *[a for a in (check, lost) if a is not None])
+            mx.async_eval(*messages)
 
     def result(self):
         with self._comm._blocked(self.record):
@@ -216,11 +224,12 @@ class Communicator:
         run = {"all_reduce": self._summed, "all_gather": self._gathered, "quantized_ring": self._quantized_ring}
         with mx.stream(self.stream):
             check = self._check([buffer])
+            self._messages = [check]
             out, lost = run[algorithm](mx.depends(buffer, check), codec, check, feedback)
         record = CollectiveRecord(algorithm, codec.name, payload, sent, hops, tag)
         self.records.append(record)
         return Pending(self, out, record, finish=lambda out: out[:L] if shapes is None else unflatten(out[:L], shapes),
-                       check=check, lost=lost)
+                       messages=self._messages, check=check, lost=lost)
 
     def start_pair_mean(self, buffer: mx.array, partner: list, codec="fp32", tag: str = "") -> Pending:
         """Start a gossip round: each worker w's mean of its (n_local, L) float32 values and those
@@ -238,14 +247,15 @@ class Communicator:
         with mx.stream(self.stream):
             check = self._check([buffer])
             wire = codec.encode(mx.depends(buffer, check), salt=mx.array(self.local_workers))
-            theirs = codec.decode(unpack(self._swap(pack(wire), partner), wire), L)
+            swapped = self._swap(pack(wire), partner)
+            theirs = codec.decode(unpack(swapped, wire), L)
             out = mx.where(paired, (codec.decode(wire, L) + theirs) / 2, buffer)
         pairs = any(p != w for w, p in enumerate(partner))
         payload = codec.wire_bytes(L)  # what a paired worker sends (one that sits out: the check only)
         record = CollectiveRecord("pair_mean", codec.name, payload, payload * pairs + (M - 1) * CHECK_BYTES,
                                   M - 1 + pairs, tag)
         self.records.append(record)
-        return Pending(self, out, record, finish=lambda out: out, check=check)
+        return Pending(self, out, record, finish=lambda out: out, messages=[check, swapped], check=check)
 
     def _check(self, arrays: list) -> mx.array:
         """(num_workers, 3) float32: every worker's largest magnitude over `arrays` (each
@@ -260,7 +270,12 @@ class Communicator:
         arrived = mx.full((self.n_local,), time.perf_counter() - self._left_at)
         return self._gather_workers(mx.stack([top, (~mx.isfinite(top)).astype(mx.float32), arrived], axis=1))
 
-    # ---- the three algorithms: each returns the mean (L',) and, with feedback, what it lost (n_local, L)
+    # ---- the three algorithms: each returns the mean (L',) and, with feedback, what it lost (n_local, L),
+    # and notes each of its collectives' results as a message of the exchange (what starting it runs)
+    def _message(self, received: mx.array) -> mx.array:
+        self._messages.append(received)
+        return received
+
     def _summed(self, buffer, codec, check, feedback):
         # MLX's ring adds fp16/bf16 in that dtype: scale by 1/M before the sum, not after, and divide
         # by a unit every worker shares (from the check's largest magnitude): the sum stays in range.
@@ -269,14 +284,14 @@ class Communicator:
         if codec.shared_unit_bytes:
             shared["unit"] = mx.broadcast_to(unit_of(mx.max(check[:, 0])), (self.n_local, 1))
         wire = codec.encode(buffer / M, **shared)
-        total = self._sum_workers(wire["values"])[None]
+        total = self._message(self._sum_workers(wire["values"]))[None]
         out = codec.decode({**wire, "values": total, **{k: v[:1] for k, v in shared.items()}}, L).reshape(-1)  # a view: x[0] copies
         return out, (buffer - M * codec.decode(wire, L)) if feedback else None
 
     def _gathered(self, buffer, codec, check, feedback):
         me = mx.array(self.local_workers)
         wire = codec.encode(buffer, salt=me)
-        gathered = unpack(self._gather_workers(pack(wire)), wire)
+        gathered = unpack(self._message(self._gather_workers(pack(wire))), wire)
         out = codec.decode(gathered, buffer.shape[1]).sum(axis=0) / self.num_workers
         return out, (buffer - codec.decode(wire, buffer.shape[1])) if feedback else None
 
@@ -310,7 +325,7 @@ class Communicator:
             return wire
 
         def shift(wire):
-            return unpack(self._shift(pack(wire)), wire)
+            return unpack(self._message(self._shift(pack(wire))), wire)
 
         wire = encode(chunk(me % M), me % M)
         for s in range(M - 1):
@@ -335,8 +350,9 @@ class Communicator:
         floats = [v for v in wire.values() if mx.issubdtype(v.dtype, mx.floating)]
         with mx.stream(self.stream):
             check = self._check(floats or [mx.zeros((self.n_local, 1))])
-            out = unpack(self._gather_workers(mx.depends(pack(wire), check)), wire)
-        return Pending(self, out, record, finish=lambda out: out, check=check).result()
+            gathered = self._gather_workers(mx.depends(pack(wire), check))
+        return Pending(self, unpack(gathered, wire), record, finish=lambda out: out, messages=[check, gathered],
+                       check=check).result()
 
     def check_finite(self, tree, what: str):
         """Raise NonFiniteValues on every worker if any worker's floating-point arrays in `tree`
