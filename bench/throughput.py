@@ -19,7 +19,8 @@ step (one per precision): tokens/s of
     cores, the same N workers in the processes `sim` runs them in by default (one per core, joined
     by MLX's ring: training/processes.py);
   - bf16: the project with --moments-precision bf16, AdamW's moments as plain MLX keeps them (the
-    project's default keeps them in fp32: 4 bytes a parameter more).
+    project's default keeps them in fp32: 4 bytes a parameter more); and with --offload-outer too,
+    the step alone (DiLoCo's global model, fp32 between syncs, in a file: plain MLX holds none).
   Targets (issue 35): project / plain MLX >= 0.95; N vmapped / one worker >= 0.95; peak memory at
   most 10% above plain MLX's.
 parts: the step by phase (a profile on any device): the whole step, the forward and backward passes
@@ -83,8 +84,10 @@ def project_step(model_name: str, precision: str, workers: int, batch_size: int,
                    sync_every=10_000)
     if lora_rank:
         options.update(fine_tune_type="lora", lora_rank=lora_rank, num_layers=-1)
-    if variant == "bf16 moments":
+    if variant.startswith("bf16 moments"):
         options.update(moments_precision="bf16")
+    if variant == "bf16 moments, outer state on disk":  # the step alone: DiLoCo's fp32 global model elsewhere
+        options.update(offload_outer=True)
     config = TrainConfig.from_dict(options)
     spec = load_spec(model_name)
     model = build_model(spec)
@@ -297,7 +300,7 @@ def torch_env() -> dict:
 def print_rows(title: str, results: dict, labels: dict, tokens: dict, ratios: dict):
     """One table: tokens/s best and median, peak memory, and each row's ratios to another row's."""
     print(f"\n{title}\n")
-    print(f"{'setup':52} {'tokens/s best':>14} {'median':>10} {'peak MB':>9}   ratios (best, median)")
+    print(f"{'setup':60} {'tokens/s best':>14} {'median':>10} {'peak MB':>9}   ratios (best, median)")
     for key, (best, median, peak) in results.items():
         parts = []
         for name, other in ratios.get(key, []):
@@ -306,7 +309,7 @@ def print_rows(title: str, results: dict, labels: dict, tokens: dict, ratios: di
                 mem = f", memory {peak / results[other][2]:.2f}x" if peak and results[other][2] else ""
                 parts.append(f"{name} {b:.2f} / {m:.2f}{mem}")
         peak_text = f"{peak / 1e6:9,.0f}" if peak else f"{'-':>9}"
-        print(f"{labels[key]:52} {tokens[key] / best:14,.0f} {tokens[key] / median:10,.0f} {peak_text}   "
+        print(f"{labels[key]:60} {tokens[key] / best:14,.0f} {tokens[key] / median:10,.0f} {peak_text}   "
               f"{'; '.join(parts)}")
 
 
@@ -329,8 +332,9 @@ def step_table(args, precision: str):
             setups["processes"] = ProcessGroup(args.model, N, B // N, T, K, max(1, usable_cores() // K), precision)
             labels["processes"] = f"project, {N} workers x {B // N} in {K} processes (sim's default)"
     if precision == "bf16":  # the moments as plain MLX keeps them: the same memory
-        setups["bf16 moments"] = StepProcess([__file__, "--project", args.model, precision, 1, B, T, 0, "bf16 moments"])
-        labels["bf16 moments"] = f"project, 1 worker x {B}, --moments-precision bf16"
+        for variant, flags in [("bf16 moments", ""), ("bf16 moments, outer state on disk", " --offload-outer")]:
+            setups[variant] = StepProcess([__file__, "--project", args.model, precision, 1, B, T, 0, variant])
+            labels[variant] = f"project, 1 worker x {B}, --moments-precision bf16{flags}"
     results = measured(setups, args.steps)
     if "torch" in results:
         labels["torch"] = f"{setups['torch'].label}, {B}" + (" (autocast)" if precision == "bf16" else "")
@@ -338,7 +342,8 @@ def step_table(args, precision: str):
                f"(MLX on {device_name()})", results, labels, {k: B * T for k in results},
                {"project": [("vs plain MLX", "plain")], "torch": [("vs plain MLX", "plain")],
                 "vmapped": [("vs 1 worker x N*B", "project")], "processes": [("vs 1 worker x N*B", "project")],
-                "bf16 moments": [("vs plain MLX", "plain")]})
+                "bf16 moments": [("vs plain MLX", "plain")],
+                "bf16 moments, outer state on disk": [("vs plain MLX", "plain")]})
 
 
 def causes_table(args, precision: str):
