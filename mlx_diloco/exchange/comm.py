@@ -112,7 +112,8 @@ class Pending:
     async_eval stops its caller while more than 10 tasks (of 10 ops each) wait to finish, and every
     op queued behind a collective on its stream waits for the collective: an exchange started with
     its decoding kept the training loop waiting for the link (Streaming int4 on the emulated cluster:
-    259 ms blocked per exchange, 161 ms with this; bench/cluster_streaming.py)."""
+    259 ms blocked per exchange, 161 ms with this; bench/cluster_streaming.py). A quantized ring's
+    hops each decode and re-encode behind the one before: with many workers they may still pass it."""
 
     def __init__(self, comm: "Communicator", out, record: CollectiveRecord, finish, messages: list,
                  check=None, lost=None):
