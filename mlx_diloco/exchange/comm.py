@@ -225,12 +225,12 @@ class Communicator:
         run = {"all_reduce": self._summed, "all_gather": self._gathered, "quantized_ring": self._quantized_ring}
         with mx.stream(self.stream):
             check = self._check([buffer])
-            self._messages = [check]
-            out, lost = run[algorithm](mx.depends(buffer, check), codec, check, feedback)
+            messages = [check]
+            out, lost = run[algorithm](mx.depends(buffer, check), codec, check, feedback, messages)
         record = CollectiveRecord(algorithm, codec.name, payload, sent, hops, tag)
         self.records.append(record)
         return Pending(self, out, record, finish=lambda out: out[:L] if shapes is None else unflatten(out[:L], shapes),
-                       messages=self._messages, check=check, lost=lost)
+                       messages=messages, check=check, lost=lost)
 
     def start_pair_mean(self, buffer: mx.array, partner: list, codec="fp32", tag: str = "") -> Pending:
         """Start a gossip round: each worker w's mean of its (n_local, L) float32 values and those
@@ -272,12 +272,8 @@ class Communicator:
         return self._gather_workers(mx.stack([top, (~mx.isfinite(top)).astype(mx.float32), arrived], axis=1))
 
     # ---- the three algorithms: each returns the mean (L',) and, with feedback, what it lost (n_local, L),
-    # and notes each of its collectives' results as a message of the exchange (what starting it runs)
-    def _message(self, received: mx.array) -> mx.array:
-        self._messages.append(received)
-        return received
-
-    def _summed(self, buffer, codec, check, feedback):
+    # and appends its collectives' results to `messages` (what starting the exchange runs: Pending)
+    def _summed(self, buffer, codec, check, feedback, messages):
         # MLX's ring adds fp16/bf16 in that dtype: scale by 1/M before the sum, not after, and divide
         # by a unit every worker shares (from the check's largest magnitude): the sum stays in range.
         M, L = self.num_workers, buffer.shape[1]
@@ -285,18 +281,20 @@ class Communicator:
         if codec.shared_unit_bytes:
             shared["unit"] = mx.broadcast_to(unit_of(mx.max(check[:, 0])), (self.n_local, 1))
         wire = codec.encode(buffer / M, **shared)
-        total = self._message(self._sum_workers(wire["values"]))[None]
+        messages.append(self._sum_workers(wire["values"]))
+        total = messages[-1][None]
         out = codec.decode({**wire, "values": total, **{k: v[:1] for k, v in shared.items()}}, L).reshape(-1)  # a view: x[0] copies
         return out, (buffer - M * codec.decode(wire, L)) if feedback else None
 
-    def _gathered(self, buffer, codec, check, feedback):
+    def _gathered(self, buffer, codec, check, feedback, messages):
         me = mx.array(self.local_workers)
         wire = codec.encode(buffer, salt=me)
-        gathered = unpack(self._message(self._gather_workers(pack(wire))), wire)
+        messages.append(self._gather_workers(pack(wire)))
+        gathered = unpack(messages[-1], wire)
         out = codec.decode(gathered, buffer.shape[1]).sum(axis=0) / self.num_workers
         return out, (buffer - codec.decode(wire, buffer.shape[1])) if feedback else None
 
-    def _quantized_ring(self, buffer, codec: Codec, check, feedback):
+    def _quantized_ring(self, buffer, codec: Codec, check, feedback, messages):
         """Reduce-scatter then all-gather around the ring, M chunks. At reduce-scatter hop s,
         worker w sends its running sum of chunk (w - s) mod M and adds its own values to the
         chunk it receives; after M - 1 hops it holds the full sum of chunk (w + 1) mod M, encoded,
@@ -326,7 +324,8 @@ class Communicator:
             return wire
 
         def shift(wire):
-            return unpack(self._message(self._shift(pack(wire))), wire)
+            messages.append(self._shift(pack(wire)))
+            return unpack(messages[-1], wire)
 
         wire = encode(chunk(me % M), me % M)
         for s in range(M - 1):
