@@ -40,3 +40,34 @@ def test_the_check_before_an_exchange_holds_no_copy_of_the_values():
     mx.eval(SimCommunicator(2).start_mean(x, "fp32").result())
     # x / M (one buffer) and the sum (half of one); a copy of the values for the check would add a buffer
     assert mx.get_peak_memory() - base <= 1.6 * x.nbytes
+
+
+def test_exchanges_started_while_held_reach_the_link_when_the_hold_ends():
+    """The run holds a tick's new exchanges while its own collectives run (training/run.py): held, an
+    exchange has not started (starting one is timed: blocked_s); the hold's end starts them in order,
+    with the values an exchange started at once would give; a result asked for inside takes those
+    held before it along; after an error nothing held starts, and the hold is over."""
+    x = mx.random.normal((3, 1000), key=mx.random.key(2))
+    want = np.array(SimCommunicator(3).start_mean(x, "int4").result())
+    want_fp16 = np.array(SimCommunicator(3).start_mean(2 * x, "fp16").result())
+    comm = SimCommunicator(3)
+    with comm.exchanges_held():
+        first, second = comm.start_mean(x, "int4"), comm.start_mean(2 * x, "fp16")
+        assert first.record.blocked_s == second.record.blocked_s == 0.0
+    assert first.record.blocked_s > 0 and second.record.blocked_s > 0
+    np.testing.assert_array_equal(np.array(first.result()), want)
+    np.testing.assert_array_equal(np.array(second.result()), want_fp16)
+
+    with comm.exchanges_held():
+        first, second = comm.start_mean(x, "int4"), comm.start_mean(x, "int4")
+        np.testing.assert_array_equal(np.array(second.result()), want)
+        assert first.record.blocked_s > 0
+        third = comm.start_mean(x, "int4")
+        assert third.record.blocked_s == 0.0
+    assert third.record.blocked_s > 0
+
+    with pytest.raises(ValueError):
+        with comm.exchanges_held():
+            dropped = comm.start_mean(x, "int4")
+            raise ValueError("a check failed")
+    assert dropped.record.blocked_s == 0.0 and comm.start_mean(x, "int4").record.blocked_s > 0

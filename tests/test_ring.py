@@ -67,6 +67,35 @@ def test_quantized_exchange_over_sockets_equals_the_simulator(tmp_path, M):
     assert [a for a, _ in records] == ["all_reduce", "all_reduce"] + ["quantized_ring" if M > 2 else "all_gather"] * 4
 
 
+# Each rank starts an int4 exchange while the run holds new exchanges, gathers a metric meanwhile,
+# and takes the exchange's result after the hold.
+HELD = """
+import json, sys
+import mlx.core as mx, numpy as np
+from mlx_diloco.exchange.ring import init_ring
+comm = init_ring(60)
+rank = comm.local_workers[0]
+x = (mx.random.normal((3, 20000), key=mx.random.key(7)) * 0.01)[rank:rank + 1]
+with comm.exchanges_held():
+    pending = comm.start_mean(x, "int4")
+    ranks = comm.gather_metric(mx.array([float(rank)]))
+    held = pending.record.blocked_s == 0.0
+np.save(sys.argv[1] + f"-{rank}.npy", np.array(pending.result()))
+print(json.dumps({"ranks": ranks, "held": held}))
+"""
+
+
+def test_a_held_exchange_lets_the_runs_own_collectives_go_first_over_sockets(tmp_path):
+    """Three processes (the quantized ring's neighbour sends): a metric gathered while an exchange is
+    held reaches every process before it, and the exchange then gives what the simulator computes."""
+    outs = run_ranks(tmp_path, 3, ["-c", HELD, tmp_path / "out"])
+    want = np.array(SimCommunicator(3).start_mean(mx.random.normal((3, 20000), key=mx.random.key(7)) * 0.01,
+                                                  "int4").result())
+    for rank in range(3):
+        assert json.loads(outs[rank][0]) == {"ranks": [0.0, 1.0, 2.0], "held": True}
+        np.testing.assert_allclose(np.load(tmp_path / f"out-{rank}.npy"), want, rtol=1e-5, atol=1e-8)
+
+
 # Each process takes its workers' rows of the same random buffer and pair-averages them for every
 # pairing given; then once with NaN in worker 1's values, and once with a pair that is no neighbours.
 PAIRS = """

@@ -107,22 +107,34 @@ class Pending:
     NonFiniteValues if any worker's values were not finite. `lost` (when asked for): what the
     whole exchange lost of each local worker's part, (n_local, L), once `result()` has returned.
 
-    Starting it runs its collectives (`messages`: their results, the check's first) and what they
-    need; what comes after them (decoding, the mean) runs when the result is asked for. MLX's
-    async_eval stops its caller while more than 10 tasks (of 10 ops each) wait to finish, and every
-    op queued behind a collective on its stream waits for the collective: an exchange started with
-    its decoding kept the training loop waiting for the link (Streaming int4 on the emulated cluster:
-    259 ms blocked per exchange, 161 ms with this; bench/cluster_streaming.py). A quantized ring's
-    hops each decode and re-encode behind the one before: with many workers they may still pass it."""
+    `build()` makes the exchange's graph on the exchange stream when it reaches the link: now, or
+    when the communicator stops holding exchanges (`Communicator.exchanges_held`). It returns the
+    result, the collectives' results (`messages`: the check's first), the check and `lost`.
+    Starting it runs its collectives and what they need; what comes after them (decoding, the mean)
+    runs when the result is asked for. MLX's async_eval stops its caller while more than 10 tasks
+    (of 10 ops each) wait to finish, and every op queued behind a collective on its stream waits for
+    the collective: an exchange started with its decoding kept the training loop waiting for the
+    link (Streaming int4 on the emulated cluster: 259 ms blocked per exchange, 161 ms with this;
+    bench/cluster_streaming.py). A quantized ring's hops each decode and re-encode behind the one
+    before: with many workers they may still pass it."""
 
-    def __init__(self, comm: "Communicator", out, record: CollectiveRecord, finish, messages: list,
-                 check=None, lost=None):
-        self._comm, self._out, self.record, self._finish = comm, out, record, finish
-        self._check, self.lost = check, lost
-        with comm._blocked(record):  # on the CPU stream, starting an exchange can block too
+    def __init__(self, comm: "Communicator", record: CollectiveRecord, build, finish):
+        self._comm, self.record, self._build, self._finish = comm, record, build, finish
+        self._out = self._check = self.lost = None
+        if comm._held is None:
+            self._start()
+        else:
+            comm._held.append(self)
+
+    def _start(self):
+        with mx.stream(self._comm.stream):
+            self._out, messages, self._check, self.lost = self._build()
+        with self._comm._blocked(self.record):  # on the CPU stream, starting an exchange can block too
             mx.async_eval(*messages)
 
     def result(self):
+        if self._out is None:  # held: it starts now, after those held before it
+            self._comm._start_held()
         with self._comm._blocked(self.record):
             mx.eval(self._out, *[a for a in (self._check, self.lost) if a is not None])
         self.record.done = True
@@ -145,6 +157,25 @@ class Communicator:
     def __post_init__(self):
         self.stream = mx.new_stream(mx.cpu)  # exchanges run here, beside the compute stream
         self._left_at = time.perf_counter()  # when this process last left a wait on its peers
+        self._held = None                    # exchanges started while held, not yet on the link
+
+    @contextmanager
+    def exchanges_held(self):
+        """Exchanges started inside reach the link as it ends, in the order they were started (one
+        whose result is asked for first takes those before it along): the run's own collectives of a
+        tick (an evaluation's gathers, a checkpoint's checks) then go first, where they would wait
+        behind a new exchange on the link. After an error nothing held starts: every process stops."""
+        self._held = []
+        try:
+            yield
+            self._start_held()
+        finally:
+            self._held = None
+
+    def _start_held(self):
+        held, self._held = self._held, []
+        for pending in held:
+            pending._start()
 
     # ---- what a transport implements
     def _sum_workers(self, x: mx.array) -> mx.array:
@@ -223,14 +254,16 @@ class Communicator:
         L = buffer.shape[1]
         algorithm, hops, payload, sent = exchange_plan(codec, L, self.num_workers)
         run = {"all_reduce": self._summed, "all_gather": self._gathered, "quantized_ring": self._quantized_ring}
-        with mx.stream(self.stream):
+
+        def build():
             check = self._check([buffer])
             messages = [check]
             out, lost = run[algorithm](mx.depends(buffer, check), codec, check, feedback, messages)
+            return out, messages, check, lost
+
         record = CollectiveRecord(algorithm, codec.name, payload, sent, hops, tag)
         self.records.append(record)
-        return Pending(self, out, record, finish=lambda out: out[:L] if shapes is None else unflatten(out[:L], shapes),
-                       messages=messages, check=check, lost=lost)
+        return Pending(self, record, build, finish=lambda out: out[:L] if shapes is None else unflatten(out[:L], shapes))
 
     def start_pair_mean(self, buffer: mx.array, partner: list, codec="fp32", tag: str = "") -> Pending:
         """Start a gossip round: each worker w's mean of its (n_local, L) float32 values and those
@@ -245,18 +278,20 @@ class Communicator:
         codec = get_codec(codec) if isinstance(codec, str) else codec
         mx.eval(buffer)
         paired = mx.array([partner[w] != w for w in self.local_workers])[:, None]
-        with mx.stream(self.stream):
+
+        def build():
             check = self._check([buffer])
             wire = codec.encode(mx.depends(buffer, check), salt=mx.array(self.local_workers))
             swapped = self._swap(pack(wire), partner)
             theirs = codec.decode(unpack(swapped, wire), L)
-            out = mx.where(paired, (codec.decode(wire, L) + theirs) / 2, buffer)
+            return mx.where(paired, (codec.decode(wire, L) + theirs) / 2, buffer), [check, swapped], check, None
+
         pairs = any(p != w for w, p in enumerate(partner))
         payload = codec.wire_bytes(L)  # what a paired worker sends (one that sits out: the check only)
         record = CollectiveRecord("pair_mean", codec.name, payload, payload * pairs + (M - 1) * CHECK_BYTES,
                                   M - 1 + pairs, tag)
         self.records.append(record)
-        return Pending(self, out, record, finish=lambda out: out, messages=[check, swapped], check=check)
+        return Pending(self, record, build, finish=lambda out: out)
 
     def _check(self, arrays: list) -> mx.array:
         """(num_workers, 3) float32: every worker's largest magnitude over `arrays` (each
@@ -348,11 +383,13 @@ class Communicator:
         self.records.append(record)
         mx.eval(wire)
         floats = [v for v in wire.values() if mx.issubdtype(v.dtype, mx.floating)]
-        with mx.stream(self.stream):
+
+        def build():
             check = self._check(floats or [mx.zeros((self.n_local, 1))])
             gathered = self._gather_workers(mx.depends(pack(wire), check))
-        return Pending(self, unpack(gathered, wire), record, finish=lambda out: out, messages=[check, gathered],
-                       check=check).result()
+            return unpack(gathered, wire), [check, gathered], check, None
+
+        return Pending(self, record, build, finish=lambda out: out).result()
 
     def check_finite(self, tree, what: str):
         """Raise NonFiniteValues on every worker if any worker's floating-point arrays in `tree`
