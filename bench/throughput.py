@@ -36,6 +36,8 @@ causes: the project's one-worker step with each part that issues 35 and 47 chang
   where bench/gpu_speed.sh puts it).
 pytorch (issue 22): PyTorch's one worker of batch B against the project's --vs-pytorch N workers of
   batch B each, in the processes `sim` runs them in by default.
+sim (issue 47): the default `sim`'s step where it runs, 4 workers in sim's processes (2 on a
+  2-core CPU) stepping at once, as is, with the loss's backward by ops, and before issue 35 (.base/).
 processes (issue 12; a CPU's): one worker with an N-times batch; the simulator's N workers in K
   processes (`sim --processes K`, joined by MLX's ring over loopback, cores/K BLAS threads each); K = 2
   with every process using all the cores (no pinning: the wrong setting).
@@ -138,35 +140,50 @@ def step_part(w, x, y, part: str):
 
 # The parts of the step that issues 35 and 47 changed, each as it was (the causes table); "before": the whole
 # step at the commit before (78320fe), checked out in .base/ (see bench/gpu_speed.sh).
-VARIANTS = ("as is", "unfused kernels", "update in groups", "randint rounding", "update on one stream", "before")
+VARIANTS = ("as is", "unfused kernels", "update in groups", "randint rounding", "update on one stream", "loss by ops",
+            "before")
 
 
-def serve_project(model_name, precision, workers, batch_size, seq_len, lora_rank, variant="as is"):
+def variant_context(variant: str):
+    """Put one part of the step back as it was (VARIANTS), in this process: a context to step in."""
     import contextlib
     import mlx.core as mx
-    from step_server import serve
-    context = contextlib.nullcontext()
     if variant == "unfused kernels":
         from mlx_diloco.models import kernels
-        context = kernels.chosen(fused=False)
+        return kernels.chosen(fused=False)
     if variant == "update on one stream":  # the CPU's update on one thread, as before issue 47
         from mlx_diloco.training import workers as stepping
         stepping.cpu_threads = lambda: 1
     if variant == "randint rounding":  # MLX's random bits for every value, as before
         from mlx_diloco.models import precision as bf16
         bf16.dither16 = lambda bits, seed: mx.random.randint(0, 1 << 16, bits.shape, dtype=mx.uint32)
-    with context:
+    if variant == "loss by ops":  # the CPU's cross-entropy differentiated op by op, its exponentials kept
+        from mlx_diloco.models import fastmath
+
+        def by_ops(logits, targets):
+            logits = logits.astype(mx.float32)
+            top = mx.stop_gradient(logits.max(axis=-1, keepdims=True))
+            return mx.log(fastmath._exp(logits - top).sum(axis=-1)) + top[..., 0] - fastmath._picked(logits, targets)
+        fastmath.token_cross_entropy = by_ops
+    return contextlib.nullcontext()
+
+
+def serve_project(model_name, precision, workers, batch_size, seq_len, lora_rank, variant="as is"):
+    import mlx.core as mx
+    from step_server import serve
+    with variant_context(variant):
         serve(project_step(model_name, precision, workers, batch_size, seq_len, lora_rank, variant=variant),
               f"mlx-diloco, MLX {mx.__version__}", mx.get_peak_memory)
 
 
-def ring_child(model_name, precision, workers, batch_size, seq_len, per_process):
+def ring_child(model_name, precision, workers, batch_size, seq_len, per_process, variant="as is"):
     """One process of a ProcessGroup: steps its replicas whenever the parent writes a line."""
     from mlx_diloco.exchange.ring import init_ring
     from step_server import serve
     import mlx.core as mx
-    serve(project_step(model_name, precision, workers, batch_size, seq_len, comm=init_ring(60.0, per_process)),
-          "ring", mx.get_peak_memory)
+    with variant_context(variant):
+        serve(project_step(model_name, precision, workers, batch_size, seq_len, comm=init_ring(60.0, per_process),
+                           variant=variant), "ring", mx.get_peak_memory)
 
 
 def start(args, env=None) -> subprocess.Popen:
@@ -214,12 +231,12 @@ class ProcessGroup:
     """`sim --processes K` without the run around it: K processes joined by MLX's ring, each
     stepping workers/K vmapped replicas; calling it runs one step in all of them."""
 
-    def __init__(self, model_name, workers, batch_size, seq_len, K, blas_threads, precision="fp32"):
+    def __init__(self, model_name, workers, batch_size, seq_len, K, blas_threads, precision="fp32", variant="as is"):
         from mlx_diloco.training.processes import free_ports
         self.tmp = tempfile.TemporaryDirectory(prefix="bench-throughput-")
         hostfile = Path(self.tmp.name) / "hosts.json"
         hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(K)]))
-        args = [__file__, "--ring-child", model_name, precision, workers, batch_size, seq_len, workers // K]
+        args = [__file__, "--ring-child", model_name, precision, workers, batch_size, seq_len, workers // K, variant]
         # all started before any is waited for: each waits in the ring's set-up for the others
         procs = [start(args, {**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile),
                               "OPENBLAS_NUM_THREADS": str(blas_threads)}) for r in range(K)]
@@ -359,6 +376,22 @@ def causes_table(args, precision: str):
                {v: [("vs as is", "as is")] for v in results})
 
 
+def sim_table(args, cores: int):
+    """The default `sim`'s step as it runs there: its workers in the processes sim starts (joined by
+    MLX's ring, cores/K BLAS threads each), all stepping at once; as is, with the cross-entropy's
+    backward by ops, and at the commit before issue 35 (.base/, where it is there)."""
+    from mlx_diloco.training.processes import choose_processes
+    B, T, N = args.batch_size, args.seq_len, 4
+    K = choose_processes(N)
+    variants = [v for v in ("as is", "loss by ops", "before") if v != "before" or (BASE / "mlx_diloco").is_dir()]
+    setups = {v: ProcessGroup(args.model, N, B, T, K, max(1, cores // K), variant=v) for v in variants}
+    results = measured(setups, args.steps)
+    print_rows(f"sim: model {args.model} fp32, {N} workers x {B}x{T} tokens in {K} processes of {max(1, cores // K)} "
+               f"BLAS threads, all stepping at once; {args.steps} interleaved steps each (MLX on {device_name()})",
+               results, {v: f"default sim's step, {v}" for v in results}, {v: N * B * T for v in results},
+               {v: [("vs as is", "as is")] for v in results})
+
+
 def parts_table(args, precision: str):
     """The step by phase, for one worker of batch B and N vmapped workers of B/N: the whole step,
     its forward and backward passes alone, its update alone (what the vmapped step's extra time is)."""
@@ -468,16 +501,16 @@ def main():
     p.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4], help="the processes table's process counts K")
     p.add_argument("--vs-pytorch", type=int, nargs="+", default=[1, 4, 8],
                    help="the pytorch table's worker counts N, in sim's default processes")
-    p.add_argument("--tables", nargs="+", choices=["step", "causes", "lora", "parts", "pytorch", "processes"], default=["step"])
+    p.add_argument("--tables", nargs="+", choices=["step", "causes", "lora", "parts", "pytorch", "processes", "sim"], default=["step"])
     p.add_argument("--project", nargs="+", help=argparse.SUPPRESS)
-    p.add_argument("--ring-child", nargs=6, help=argparse.SUPPRESS)
+    p.add_argument("--ring-child", nargs=7, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.project:  # model precision workers batch seq-len lora-rank [variant]
         model, precision, *numbers = args.project[:6]
         return serve_project(model, precision, *map(int, numbers), *args.project[6:])
     if args.ring_child:
-        model, precision, *numbers = args.ring_child
-        return ring_child(model, precision, *map(int, numbers))
+        model, precision, *numbers, variant = args.ring_child
+        return ring_child(model, precision, *map(int, numbers), variant)
     from cluster_links import doctor_gflops
     print(f"# python bench/throughput.py {' '.join(sys.argv[1:])}   (doctor: {doctor_gflops()})", flush=True)
     for precision in args.precisions:
@@ -494,6 +527,8 @@ def main():
         pytorch_table(args, usable_cores())
     if "processes" in args.tables:
         processes_table(args, usable_cores())
+    if "sim" in args.tables:
+        sim_table(args, usable_cores())
 
 
 if __name__ == "__main__":
