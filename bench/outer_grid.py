@@ -2,7 +2,7 @@
 outer learning rate and momentum at `tiny` by the number of workers M, the sync period H and the
 run's length T (so N = T/H outer steps), each against data-parallel (DP) at the same tokens.
 
-    .venv/bin/python bench/outer_grid.py [--out runs/bench/outer-grid] [--stage landscape|fit|check]
+    .venv/bin/python bench/outer_grid.py [--out runs/bench/outer-grid] [--stage landscape|fit|check|size]
     nice -n 19 ...   (a loss sweep: it may run beside other work; no timing is taken from it)
 
 The recipe is bench/scaling_table.py's (the scaling-law paper's, arXiv 2503.09799): global batch
@@ -15,7 +15,10 @@ momentum-adjusted lr  eta = lr / (1 - mu)  (Khaled et al., arXiv 2509.10439: wha
 moves once the momentum is warm), walking from a start until the loss rises on both sides. Stages:
   landscape: four cells, every momentum of MOMENTA: the shape the rule takes;
   fit:       the cells the rule is fitted on (M 1/4/8; H 5 to 100; N ~11 to ~330);
-  check:     cells left out of the fit (M = 2, other (H, T), a second seed).
+  check:     cells left out of the fit (M = 2, other (H, T));
+  size:      another model size, left out of the fit: `small` (1.1M parameters, 64-token sequences) at
+             M = 4, H = 30 and 55 outer steps (1.5 tokens per parameter: a check of what the rule reads,
+             M, H and N, at another size, not of 20 tokens per parameter, which would take days here).
 Runs one at a time, one process each, resumed when run again (finished runs are kept).
 Prints a table per stage and writes outer-grid.json (every run's loss) to --out.
 """
@@ -29,7 +32,7 @@ from mlx_diloco.blas import ensure_fast_blas
 if __name__ == "__main__":
     ensure_fast_blas([__file__, *sys.argv[1:]])  # Linux: re-run with OpenBLAS preloaded
 
-from tiny_recipe import ROOT2, Runs, diloco_config, dp_config, steps_for, walk  # noqa: E402
+from tiny_recipe import MODEL, ROOT2, Runs, diloco_config, dp_config, steps_for, walk  # noqa: E402
 
 T20 = steps_for(20, 16)               # 1,646: 20 tokens per parameter at a global batch of 16
 DP_LRS = (2e-3, 2.8e-3, 4e-3, 5.7e-3, 8e-3, 1.13e-2, 1.6e-2, 2.26e-2)
@@ -41,6 +44,7 @@ FIT = [(M, H, T) for M in (1, 4, 8) for H, T in
        [(5, 550), (5, T20), (10, 550), (10, T20), (30, 550), (30, T20), (30, 3 * T20), (50, 550),
         (100, T20), (100, 3 * T20)]]
 CHECK = [(2, 30, T20), (2, 10, 550), (2, 100, T20), (4, 20, 1000), (8, 15, 3 * T20), (1, 20, 1000)]
+SIZE = [(4, 30, 1650, "small")]       # (M, H, T, model)
 
 
 def momenta(stage: str, N: float) -> tuple:
@@ -49,16 +53,17 @@ def momenta(stage: str, N: float) -> tuple:
     return MOMENTA if stage == "landscape" or N >= 150 else MOMENTA[:3]
 
 
-def best_dp(runs: Runs, T: int, seed: int = 0) -> tuple:
+def best_dp(runs: Runs, T: int, seed: int = 0, model: str = MODEL) -> tuple:
     """(loss, lr) of DP's best inner lr at T, walking DP_LRS from 8e-3 until interior."""
     losses = {}
-    walk(lambda j: losses.setdefault(j, runs.loss(dp_config(T, DP_LRS[j], seed=seed))), DP_LRS.index(8e-3),
-         0, len(DP_LRS) - 1)
+    walk(lambda j: losses.setdefault(j, runs.loss(dp_config(T, DP_LRS[j], seed=seed, model=model))),
+         DP_LRS.index(8e-3), 0, len(DP_LRS) - 1)
     j = min(losses, key=losses.get)
     return losses[j], DP_LRS[j]
 
 
-def search_outer(runs: Runs, M: int, H: int, T: int, lr: float, mu: float, eta0: float, seed: int = 0) -> dict:
+def search_outer(runs: Runs, M: int, H: int, T: int, lr: float, mu: float, eta0: float, seed: int = 0,
+                 model: str = MODEL) -> dict:
     """{eta: loss} of the walk over eta = outer_lr / (1 - mu) on the sqrt(2) grid from eta0."""
     etas = {}
 
@@ -67,7 +72,7 @@ def search_outer(runs: Runs, M: int, H: int, T: int, lr: float, mu: float, eta0:
         outer = eta * (1 - mu)
         if not LR_RANGE[0] <= outer <= LR_RANGE[1]:
             return float("inf")
-        return etas.setdefault(round(eta, 4), runs.loss(diloco_config(M, H, T, lr, outer, mu, seed=seed)))
+        return etas.setdefault(round(eta, 4), runs.loss(diloco_config(M, H, T, lr, outer, mu, seed=seed, model=model)))
     walk(f, 0, -12, 12)
     return etas
 
@@ -79,15 +84,16 @@ def start_eta(mu: float) -> float:
 
 def run_cells(runs: Runs, stage: str, cells: list, seed: int = 0) -> list:
     rows = []
-    for M, H, T in cells:
-        dp_loss, lr = best_dp(runs, T)
+    for M, H, T, *model in cells:
+        model = model[0] if model else MODEL
+        dp_loss, lr = best_dp(runs, T, model=model)
         for mu in momenta(stage, T / H):
-            etas = search_outer(runs, M, H, T, lr, mu, start_eta(mu), seed)
+            etas = search_outer(runs, M, H, T, lr, mu, start_eta(mu), seed, model)
             eta = min(etas, key=etas.get)
-            rows.append(dict(M=M, H=H, T=T, N=T / H, mu=mu, eta=eta, outer_lr=round(eta * (1 - mu), 4),
+            rows.append(dict(M=M, H=H, T=T, N=T / H, model=model, mu=mu, eta=eta, outer_lr=round(eta * (1 - mu), 4),
                              loss=etas[eta], dp=dp_loss, gap=etas[eta] / dp_loss - 1, lr=lr, seed=seed,
                              curve={str(k): v for k, v in sorted(etas.items())}))
-            print(f"M={M} H={H} T={T} (N={T / H:.0f}) mu={mu}: best eta {eta:g} (lr {eta * (1 - mu):.3g}) "
+            print(f"{model} M={M} H={H} T={T} (N={T / H:.0f}) mu={mu}: best eta {eta:g} (lr {eta * (1 - mu):.3g}) "
                   f"{etas[eta]:.4f}, {etas[eta] / dp_loss - 1:+.2%} vs DP {dp_loss:.4f}", flush=True)
     return rows
 
@@ -95,12 +101,12 @@ def run_cells(runs: Runs, stage: str, cells: list, seed: int = 0) -> list:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/bench/outer-grid")
-    p.add_argument("--stage", choices=["landscape", "fit", "check"], nargs="+", default=["landscape"])
+    p.add_argument("--stage", choices=["landscape", "fit", "check", "size"], nargs="+", default=["landscape"])
     p.add_argument("--workers", type=int, nargs="+", help="only the cells of these M (two sweeps side by side)")
     args = p.parse_args()
     runs = Runs(args.out, "outer-grid.json")
     for stage in args.stage:
-        cells = [c for c in {"landscape": LANDSCAPE, "fit": FIT, "check": CHECK}[stage]
+        cells = [c for c in {"landscape": LANDSCAPE, "fit": FIT, "check": CHECK, "size": SIZE}[stage]
                  if not args.workers or c[0] in args.workers]
         print(f"# stage {stage}: {len(cells)} cells", flush=True)
         rows = run_cells(runs, stage, cells)

@@ -16,6 +16,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 MODEL, SEQ = "tiny", 32
+SEQ_OF = {MODEL: SEQ, "small": 64}    # each model's sequences: its context (another size checks the rule)
 EVAL_SEQUENCES = 2048                 # 64K held-out tokens, the same for every run
 TOKENS_PER_PARAMETER = 20
 PARAMETERS = 42_144                   # tiny's (count_parameters(build_model(load_spec("tiny"))))
@@ -27,20 +28,21 @@ def steps_for(tokens_per_parameter: float, global_batch: int) -> int:
     return int(tokens_per_parameter * PARAMETERS // (global_batch * SEQ))
 
 
-def base_config(T: int, lr: float, seed: int = 0) -> dict:
-    return dict(model=MODEL, seq_len=SEQ, steps=T, warmup=T // 10, final_lr=0.05, beta1=0.9, beta2=0.99,
+def base_config(T: int, lr: float, seed: int = 0, model: str = MODEL) -> dict:
+    return dict(model=model, seq_len=SEQ_OF[model], steps=T, warmup=T // 10, final_lr=0.05, beta1=0.9, beta2=0.99,
                 weight_decay=1 / T, grad_clip=1.0, eval_every=T, eval_sequences=EVAL_SEQUENCES,
                 data="shakespeare", lr=lr, seed=seed)
 
 
-def dp_config(T: int, lr: float, global_batch: int = 16, seed: int = 0) -> dict:
+def dp_config(T: int, lr: float, global_batch: int = 16, seed: int = 0, model: str = MODEL) -> dict:
     """Data-parallel: AdamW on the whole batch (one worker: what DP computes, its gradient clipped as one)."""
-    return {**base_config(T, lr, seed), "workers": 1, "strategy": "ddp", "batch_size": global_batch}
+    return {**base_config(T, lr, seed, model), "workers": 1, "strategy": "ddp", "batch_size": global_batch}
 
 
-def diloco_config(M: int, H: int, T: int, lr: float, outer_lr, mu, global_batch: int = 16, seed: int = 0) -> dict:
+def diloco_config(M: int, H: int, T: int, lr: float, outer_lr, mu, global_batch: int = 16, seed: int = 0,
+                  model: str = MODEL) -> dict:
     """DiLoCo with M replicas of global_batch / M sequences each (outer_lr and mu may be 'auto')."""
-    return {**base_config(T, lr, seed), "workers": M, "strategy": "diloco", "batch_size": global_batch // M,
+    return {**base_config(T, lr, seed, model), "workers": M, "strategy": "diloco", "batch_size": global_batch // M,
             "sync_every": H, "outer_lr": outer_lr if outer_lr == "auto" else round(outer_lr, 4),
             "outer_momentum": mu, "seed": seed}
 
@@ -50,9 +52,10 @@ def name(c: dict) -> str:
     seed = f"_s{c['seed']}" if c["seed"] else ""
     batch = c["batch_size"] * c["workers"]
     batch = f"_B{batch}" if batch != 16 else ""
+    model = f"{c['model']}_" if c["model"] != MODEL else ""
     if c["strategy"] == "ddp":
-        return f"dp_T{c['steps']}_lr{c['lr']:g}{batch}{seed}"
-    return (f"M{c['workers']}_H{c['sync_every']}_T{c['steps']}_mu{c['outer_momentum']:g}"
+        return f"{model}dp_T{c['steps']}_lr{c['lr']:g}{batch}{seed}"
+    return (f"{model}M{c['workers']}_H{c['sync_every']}_T{c['steps']}_mu{c['outer_momentum']:g}"
             f"_olr{c['outer_lr']:g}_lr{c['lr']:g}{batch}{seed}")
 
 
