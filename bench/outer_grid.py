@@ -2,7 +2,7 @@
 outer learning rate and momentum at `tiny` by the number of workers M, the sync period H and the
 run's length T (so N = T/H outer steps), each against data-parallel (DP) at the same tokens.
 
-    .venv/bin/python bench/outer_grid.py [--out runs/bench/outer-grid] [--stage landscape|fit|check|size]
+    .venv/bin/python bench/outer_grid.py [--out runs/bench/outer-grid] [--stage landscape|fit|check|check2|size]
     nice -n 19 ...   (a loss sweep: it may run beside other work; no timing is taken from it)
 
 The recipe is bench/scaling_table.py's (the scaling-law paper's, arXiv 2503.09799): global batch
@@ -16,6 +16,8 @@ moves once the momentum is warm), walking from a start until the loss rises on b
   landscape: four cells, every momentum of MOMENTA: the shape the rule takes;
   fit:       the cells the rule is fitted on (M 1/4/8; H 5 to 100; N ~11 to ~330);
   check:     cells left out of the fit (M = 2, other (H, T));
+  check2:    cells left out of the rule's run-length term, which the check's M = 2, H = 10 cell showed
+             (each side of it: 55 and 67 outer steps at H = 10 and 15, 165 and 329 at H = 10 and 5);
   size:      another model size, left out of the fit: `small` (1.1M parameters, 64-token sequences) at
              M = 4, H = 30 and 55 outer steps (1.5 tokens per parameter: a check of what the rule reads,
              M, H and N, at another size, not of 20 tokens per parameter, which would take days here).
@@ -44,6 +46,7 @@ FIT = [(M, H, T) for M in (1, 4, 8) for H, T in
        [(5, 550), (5, T20), (10, 550), (10, T20), (30, 550), (30, T20), (30, 3 * T20), (50, 550),
         (100, T20), (100, 3 * T20)]]
 CHECK = [(2, 30, T20), (2, 10, 550), (2, 100, T20), (4, 20, 1000), (8, 15, 3 * T20), (1, 20, 1000)]
+CHECK2 = [(4, 10, 550), (4, 15, 1000), (2, 10, T20), (2, 5, T20)]
 SIZE = [(4, 30, 1650, "small")]       # (M, H, T, model)
 
 
@@ -101,12 +104,12 @@ def run_cells(runs: Runs, stage: str, cells: list, seed: int = 0) -> list:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/bench/outer-grid")
-    p.add_argument("--stage", choices=["landscape", "fit", "check", "size"], nargs="+", default=["landscape"])
+    p.add_argument("--stage", choices=["landscape", "fit", "check", "check2", "size"], nargs="+", default=["landscape"])
     p.add_argument("--workers", type=int, nargs="+", help="only the cells of these M (two sweeps side by side)")
     args = p.parse_args()
     runs = Runs(args.out, "outer-grid.json")
     for stage in args.stage:
-        cells = [c for c in {"landscape": LANDSCAPE, "fit": FIT, "check": CHECK, "size": SIZE}[stage]
+        cells = [c for c in {"landscape": LANDSCAPE, "fit": FIT, "check": CHECK, "check2": CHECK2, "size": SIZE}[stage]
                  if not args.workers or c[0] in args.workers]
         print(f"# stage {stage}: {len(cells)} cells", flush=True)
         rows = run_cells(runs, stage, cells)
