@@ -103,9 +103,10 @@ class CollectiveRecord:
 
 
 class Pending:
-    """An exchange that has been started; `result()` waits for it and returns the mean, or raises
-    NonFiniteValues if any worker's values were not finite. `lost` (when asked for): what the
-    whole exchange lost of each local worker's part, (n_local, L), once `result()` has returned.
+    """An exchange that has been started (or is held until it reaches the link); `result()` waits
+    for it and returns the mean, or raises NonFiniteValues if any worker's values were not finite.
+    `lost` (when asked for): what the whole exchange lost of each local worker's part, (n_local, L),
+    once `result()` has returned.
 
     `build()` makes the exchange's graph on the exchange stream when it reaches the link: now, or
     when the communicator stops holding exchanges (`Communicator.exchanges_held`). It returns the
