@@ -10,6 +10,7 @@ tokens) at its end.
 
 import json
 import math
+import shutil
 import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -66,8 +67,10 @@ def train(config: dict, run_dir: str) -> float:
     from mlx_diloco.training.processes import simulate
     summary = Path(run_dir) / "summary.json"
     if not summary.exists():
-        simulate(TrainConfig.from_dict(config), Path(run_dir), processes=1,
-                 resume=latest_step(run_dir) is not None, log=lambda m: None)
+        resume = latest_step(run_dir) is not None
+        if not resume and Path(run_dir).exists():  # cut off before its first checkpoint: nothing to resume
+            shutil.rmtree(run_dir)
+        simulate(TrainConfig.from_dict(config), Path(run_dir), processes=1, resume=resume, log=lambda m: None)
     loss = json.loads(summary.read_text())["final_eval_loss"]
     return loss if loss is not None and math.isfinite(loss) else float("inf")
 
