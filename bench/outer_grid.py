@@ -37,7 +37,7 @@ if __name__ == "__main__":
 from tiny_recipe import MODEL, ROOT2, Runs, diloco_config, dp_config, steps_for, walk  # noqa: E402
 
 T20 = steps_for(20, 16)               # 1,646: 20 tokens per parameter at a global batch of 16
-DP_LRS = (2e-3, 2.8e-3, 4e-3, 5.7e-3, 8e-3, 1.13e-2, 1.6e-2, 2.26e-2)
+DP_LRS = (1e-3, 1.4e-3, 2e-3, 2.8e-3, 4e-3, 5.7e-3, 8e-3, 1.13e-2, 1.6e-2, 2.26e-2)
 MOMENTA = (0.0, 0.5, 0.8, 0.9)
 LR_RANGE = (0.05, 2.0)                # outer lrs the walk may try
 
