@@ -327,7 +327,7 @@ class Communicator:
         wire = codec.encode(buffer, salt=me)
         messages.append(self._gather_workers(pack(wire)))
         gathered = unpack(messages[-1], wire)
-        out = codec.decode(gathered, buffer.shape[1]).sum(axis=0) / self.num_workers
+        out = codec.decode(gathered).sum(axis=0) / self.num_workers  # padded: finish() slices (Codec.decode)
         return out, (buffer - codec.decode(wire, buffer.shape[1])) if feedback else None
 
     def _quantized_ring(self, buffer, codec: Codec, check, feedback, messages):
@@ -367,13 +367,16 @@ class Communicator:
         for s in range(M - 1):
             index = (me - 1 - s) % M
             wire = encode(codec.decode(shift(wire), C) + chunk(index), index)
-        out = mx.zeros((self.n_local, M, C))
+        # Every worker ends with the same values, so the first local one's are decoded: at step s it
+        # holds the full sum of chunk (w + 1 - s) mod M
+        first = self.local_workers[0]
+        sums = []
         for s in range(M):
-            out = place((me + 1 - s) % M, codec.decode(wire, C), out)  # the chunk whose full sum it holds now
+            sums.append(codec.decode({k: v[:1] for k, v in wire.items()}, C)[0])
             if s < M - 1:
                 wire = shift(wire)
-        # Every worker holds the same values: the mean of the job, without the worker axis.
-        return out[0].reshape(-1) / M, lost.reshape(self.n_local, -1)[:, :L] if feedback else None
+        out = mx.concatenate([sums[(first + 1 - j) % M] for j in range(M)])
+        return out / M, lost.reshape(self.n_local, -1)[:, :L] if feedback else None
 
     def all_gather(self, wire: dict, tag: str = "") -> dict:
         """Every worker's arrays, for what cannot be summed (e.g. DeMo's top-k indices and values):
