@@ -126,6 +126,50 @@ def test_save_and_load_keep_the_tree_the_schema_and_the_last_two(tmp_path):
     assert len(said) == 1 and "checkpoint 12 is unreadable" in said[0] and "using checkpoint 8" in said[0]
 
 
+def test_a_writer_writes_in_order_on_its_own_thread_and_a_failed_write_raises_on_the_runs(tmp_path):
+    """Checkpoints written in the background equal those written at once, the newest last (a
+    foreground save waits for the one in flight); a write that failed raises at the next save or
+    wait, once, and the writer goes on."""
+    import threading
+    import mlx.core as mx
+    from mlx_diloco import run_folder
+    from mlx_diloco.training import checkpoint
+    writer = checkpoint.Writer()
+    for step in (4, 8):
+        tree = arrays_tree(float(step))
+        writer.save(tmp_path, step, tree, full_meta(), background=True)
+        assert tree == {}  # staged: the writer holds the only references
+    writer.save(tmp_path, 12, arrays_tree(12.0), full_meta())
+    assert not [t for t in threading.enumerate() if t.name.startswith("checkpoint")]
+    assert run_folder.steps(tmp_path) == [12, 8] and run_folder.latest_step(tmp_path) == 12
+    arrays, _ = checkpoint.load(tmp_path, 8)
+    got, want = dict(tree_flatten(arrays)), dict(tree_flatten(arrays_tree(8.0)))
+    for k in want:
+        assert got[k].dtype == want[k].dtype and mx.array_equal(got[k], want[k]).item(), k
+
+    blocked = tmp_path / "a file"
+    blocked.write_text("not a folder")
+    writer.save(blocked, 16, arrays_tree(16.0), full_meta(), background=True)  # fails on its thread
+    with pytest.raises(OSError):
+        writer.wait()
+    writer.wait()  # said once
+    writer.save(blocked, 20, arrays_tree(20.0), full_meta(), background=True)
+    with pytest.raises(OSError):
+        writer.save(tmp_path, 24, arrays_tree(24.0), full_meta())
+    writer.save(tmp_path, 24, arrays_tree(24.0), full_meta(), background=True)
+    writer.wait()
+    assert run_folder.latest_step(tmp_path) == 24
+
+
+def test_fits_beside_reads_the_memory_limit():
+    import mlx.core as mx
+    from mlx_diloco.training import checkpoint
+    state = {"w": mx.zeros((1000,))}  # 4 KB
+    assert checkpoint.fits_beside(state)  # MLX's own limit
+    assert not checkpoint.fits_beside(state, mx.get_peak_memory() + 3000)
+    assert checkpoint.fits_beside(state, mx.get_peak_memory() + 5000)
+
+
 @pytest.mark.parametrize("meta, why", [({k: v for k, v in full_meta().items() if k != "exchanges"},
                                         r"lacks \['exchanges'\]"),
                                        (full_meta(comm_s=0.1), r"\['comm_s'\] are not in run_folder.META")])

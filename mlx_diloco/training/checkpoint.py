@@ -13,11 +13,14 @@ A checkpoint is two files (run_folder.py names them, and reads what is MLX-free)
   updates draws from MLX's random state, which a resumed run starts again from the seed.
 `latest.json` names the newest complete checkpoint and is replaced last, so a crash while writing
 leaves the previous checkpoint in force. A checkpoint of another layout is one ConfigError line.
+A run writes through one `Writer`: one checkpoint at a time, in order, a run's periodic ones on a
+thread of their own while training goes on where the memory holds the state beside the next one.
 """
 
 import json
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,6 +103,63 @@ def save(folder: Path, step: int, arrays: dict, meta: dict, durable: bool = True
     for old in sorted(folder.glob("ckpt-*.json"), key=_step_of)[:-KEEP]:
         old.unlink(missing_ok=True)
         old.with_suffix(".safetensors").unlink(missing_ok=True)
+
+
+def fits_beside(arrays: dict, memory_limit: float = 0) -> bool:
+    """Whether the run's peak memory and `arrays` held beside it (a state kept while the run makes
+    the next one) fit the memory limit: the run's (bytes), or else MLX's own."""
+    held = sum(v.nbytes for _, v in tree_flatten(arrays))
+    return mx.get_peak_memory() + held <= (memory_limit or mx.get_memory_limit())
+
+
+class Writer:
+    """Writes one folder's checkpoints one at a time, in the order asked. `save(..., background=True)`
+    stages the state (evaluated here, on MLX's thread; views, no copy) and writes it on a thread of
+    its own while training goes on: a step is not stopped for the disk (on the emulated cluster,
+    296 MB a host, ~0.4 s a checkpoint). The staged arrays stay in memory until written (the run
+    makes new ones meanwhile), so a caller asks for it only where they fit (`fits_beside`). The
+    thread is not a daemon: a run that stops, even with an error, exits once its checkpoint is on
+    the disk. A write that failed raises at the next `save` or `wait`."""
+
+    def __init__(self):
+        self._writing = threading.Lock()  # held while a checkpoint is written (released by its writer)
+        self._failed = None
+
+    def save(self, folder: Path, step: int, arrays: dict, meta: dict, durable: bool = True, background: bool = False):
+        """checkpoint.save, after the write in flight; `arrays` is emptied."""
+        self._writing.acquire()
+        started = False
+        try:
+            self._raise_failure()
+            if background:
+                staged = stage(arrays)
+                arrays.clear()
+                threading.Thread(target=self._write, args=(folder, step, staged, meta, durable),
+                                 name=f"checkpoint {step}").start()
+                started = True
+            else:
+                save(folder, step, arrays, meta, durable)
+        finally:
+            if not started:
+                self._writing.release()
+
+    def _write(self, *args):
+        try:
+            save(*args)
+        except BaseException as e:  # (raised on the run's thread: `_raise_failure`)
+            self._failed = e
+        finally:
+            self._writing.release()
+
+    def wait(self):
+        """Until the checkpoint in flight is on the disk."""
+        with self._writing:
+            self._raise_failure()
+
+    def _raise_failure(self):
+        if self._failed is not None:
+            failed, self._failed = self._failed, None
+            raise failed
 
 
 def in_order_of(tree, saved):

@@ -71,14 +71,16 @@ class Elastic:
     communicator, pacing (the membership timeline), strategy, workers and exchange ledger; `clock`:
     the run's steps done and compute time (clock.py), which a joiner takes from a member; `samplers`:
     each local worker's data cursor, over the shards of `data_slots`; `snapshot()`: the run's state
-    as a checkpoint keeps it, (arrays, meta), which it saves in `checkpoint_dir`; `memory_limit`:
-    the bytes the run may use (0: no limit)."""
+    as a checkpoint keeps it, (arrays, meta), which it saves in `checkpoint_dir` through the run's
+    `checkpoints` (checkpoint.Writer: after the run's checkpoint in flight); `memory_limit`: the
+    bytes the run may use (0: MLX's limit)."""
 
     def __init__(self, job, comm, pacing, strategy, workers, ledger, clock, samplers, data_slots: list,
-                 batch_size: int, checkpoint_dir: Path, snapshot, memory_limit: float = 0, log=print):
+                 batch_size: int, checkpoints, checkpoint_dir: Path, snapshot, memory_limit: float = 0, log=print):
         self.job, self.comm, self.pacing, self.strategy, self.workers = job, comm, pacing, strategy, workers
         self.ledger, self.clock, self.samplers, self.data_slots = ledger, clock, samplers, data_slots
-        self.batch_size, self.checkpoint_dir, self.snapshot, self.log = batch_size, Path(checkpoint_dir), snapshot, log
+        self.batch_size, self.snapshot, self.log = batch_size, snapshot, log
+        self.checkpoints, self.checkpoint_dir = checkpoints, Path(checkpoint_dir)
         self.ring = job.ring_slots                         # the job's slot of each worker of this ring
         self.slots = [self.ring[w] for w in comm.local_workers]
         self.stop_requests = StopRequests(job.control) if job.control else None
@@ -146,10 +148,11 @@ class Elastic:
         next process reads it, so it is left to the page cache (not synced to the disk: a process's
         death does not lose it)."""
         step = self.clock.steps
-        if step != latest_step(self.checkpoint_dir):
-            with self.clock.part(TIME.save_s):
+        with self.clock.part(TIME.save_s):
+            self.checkpoints.wait()  # (the run's checkpoint of this step may be in flight)
+            if step != latest_step(self.checkpoint_dir):
                 arrays, meta = self.snapshot()
-                checkpoint.save(self.checkpoint_dir, step, arrays, meta, durable=False)  # empties `arrays`
+                self.checkpoints.save(self.checkpoint_dir, step, arrays, meta, durable=False)  # empties `arrays`
 
     def hold(self):
         """Before a tick that meets the peers: this worker's state as it is, held in memory (references
@@ -161,17 +164,19 @@ class Elastic:
             return
         arrays, meta = self.snapshot()
         with self.clock.part(TIME.save_s):
-            if self.strategy.offloads_outer or not self._room_for(arrays):
-                checkpoint.save(self.checkpoint_dir, step, arrays, meta, durable=False)
+            if self.strategy.offloads_outer or not checkpoint.fits_beside(arrays, self.memory_limit):
+                self.checkpoints.save(self.checkpoint_dir, step, arrays, meta, durable=False)
                 return
             self.held = (step, checkpoint.stage(arrays), meta)  # (evaluated already: views, no copy)
         self.tick_started.set()
 
     def write_held(self):
-        """The held state on the disk (by the thread that holds `lock`), unless a newer one is there."""
+        """The held state on the disk (by the thread that holds `lock`), unless a newer one is there
+        (the run's checkpoint in flight written first: none starts while `lock` is held)."""
+        self.checkpoints.wait()
         if self.held is not None and self.held[0] > (latest_step(self.checkpoint_dir) or -1):
             step, staged, meta = self.held
-            checkpoint.save(self.checkpoint_dir, step, staged, meta, durable=False)
+            self.checkpoints.save(self.checkpoint_dir, step, staged, meta, durable=False)
 
     def _watch(self):
         """A thread of its own: when the launcher asks this worker to stop now while a tick that meets
@@ -196,11 +201,6 @@ class Elastic:
                     print(why, file=sys.stderr, flush=True)
                     sys.stdout.flush()
                     os._exit(STOPPED_FOR_CHANGE)  # (as training/worker.py ends a worker stopped for a change)
-
-    def _room_for(self, arrays: dict) -> bool:
-        """Whether the memory limit (none: room) holds the run's peak and the state held beside it."""
-        held = sum(v.nbytes for _, v in tree_flatten(arrays))
-        return not self.memory_limit or mx.get_peak_memory() + held <= self.memory_limit
 
     def report_stop(self, why: str, step: int):
         """Tell the launcher (through the progress file its agent reads) that this worker stopped with

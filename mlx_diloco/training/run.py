@@ -175,10 +175,12 @@ class Run:
             self._restore()
         elif reporter:  # everything checked out: only now create the run folder
             self._create_run_folder()
+        self.checkpoints = checkpoint.Writer()  # every write of the checkpoint folder, one at a time
         # An elastic cluster's ring (training/elastic.py): its workers brought to one round as it starts.
         self.elastic = Elastic(job, comm, self.pacing, self.strategy, self.workers, self.ledger, self.clock,
-                               self.samplers, self.data_workers, config.batch_size, self.checkpoint_dir,
-                               snapshot=self.state, memory_limit=config.memory_limit * 1e9, log=log) \
+                               self.samplers, self.data_workers, config.batch_size, self.checkpoints,
+                               self.checkpoint_dir, snapshot=self.state, memory_limit=config.memory_limit * 1e9,
+                               log=log) \
             if job.ring_slots else None
         if self.elastic:
             self.elastic.start()
@@ -257,6 +259,9 @@ class Run:
             except BaseException:
                 self._report("on_train_stopped", {"step": self.steps_done})
                 raise
+            finally:
+                with self.clock.part(TIME.save_s):
+                    self.checkpoints.wait()  # a checkpoint in flight is on the disk when the run returns
             with self.clock.part(TIME.eval_s):
                 self.peak_memory = self._peak_memory()  # the last global evaluation and checkpoint included
             summary = self.summary()
@@ -478,8 +483,12 @@ class Run:
         # a checkpoint never keeps a NaN that a resumed run would train on.
         self.comm.check_finite(self.workers.params, "its weights")
         arrays, meta = self.state()
+        # Written while training goes on (checkpoint.Writer), but the last one and where the memory
+        # cannot hold the state beside the next (or it waits in files: offload-outer)
+        background = (self.steps_done < self.config.steps and not self.strategy.offloads_outer
+                      and checkpoint.fits_beside(arrays, self.config.memory_limit * 1e9))
         with self.elastic.lock if self.elastic else nullcontext():  # (one writer: elastic.py's watcher)
-            checkpoint.save(self.checkpoint_dir, self.steps_done, arrays, meta)  # empties `arrays` as it writes
+            self.checkpoints.save(self.checkpoint_dir, self.steps_done, arrays, meta, background=background)
         if self.reporter and self.config.fine_tune_type in ADAPTER_TYPES:  # the global adapters, for mlx-lm
             save_adapters(self.run_dir / ADAPTERS, self.global_params(),
                           {**adapter_config(self.config), "model": self.config.model})
