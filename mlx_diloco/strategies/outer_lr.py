@@ -17,6 +17,9 @@ et al., arXiv 2509.10439); lr = eta (1 - mu). What the grid found:
   momentum overshoots (M = 4, H = 5, 110 outer steps: +6.8% against the average; M = 2, H = 10, 55
   outer steps, a cell left out of the first fit: +5.6%).
 So the rule reads M, H and, at a small H, N; N also sets what the run is told it costs (GAP).
+Checked on cells left out of the fit (M = 2, other H and T) and at another size (`small`, 26x tiny's
+parameters, M = 4, H = 30, 55 outer steps: auto's choice the best of the cell, +7.54% against DP
+where tiny's same cell gave +7.32%).
 The rule reads the grid: the measured M at or above the run's (past the largest, the largest) and the
 measured H nearest in log; outside the measured range the nearest end, and the start line says so.
 A strategy that fixes its momentum (MuLoCo's 0.6, its authors') or given one by hand keeps it, and
