@@ -107,9 +107,13 @@ def save(folder: Path, step: int, arrays: dict, meta: dict, durable: bool = True
 
 def fits_beside(arrays: dict, memory_limit: float = 0) -> bool:
     """Whether the run's peak memory and `arrays` held beside it (a state kept while the run makes
-    the next one) fit the memory limit: the run's (bytes), or else MLX's own."""
+    the next one) fit the memory limit: the run's (bytes), or else MLX's own, on a Mac no more than
+    the GPU's recommended working set (MLX's default limit lies above it, where macOS swaps)."""
     held = sum(v.nbytes for _, v in tree_flatten(arrays))
-    return mx.get_peak_memory() + held <= (memory_limit or mx.get_memory_limit())
+    limit = memory_limit or mx.get_memory_limit()
+    if not memory_limit and mx.metal.is_available():
+        limit = min(limit, mx.metal.device_info().get("max_recommended_working_set_size", limit))
+    return mx.get_peak_memory() + held <= limit
 
 
 class Writer:
