@@ -48,6 +48,7 @@ FIT = [(M, H, T) for M in (1, 4, 8) for H, T in
 CHECK = [(2, 30, T20), (2, 10, 550), (2, 100, T20), (4, 20, 1000), (8, 15, 3 * T20), (1, 20, 1000)]
 CHECK2 = [(4, 10, 550), (4, 15, 1000), (2, 10, T20), (2, 5, T20)]
 SIZE = [(4, 30, 1650, "small")]       # (M, H, T, model)
+STAGES = {"landscape": LANDSCAPE, "fit": FIT, "check": CHECK, "check2": CHECK2, "size": SIZE}
 
 
 def momenta(stage: str, N: float) -> tuple:
@@ -104,13 +105,12 @@ def run_cells(runs: Runs, stage: str, cells: list, seed: int = 0) -> list:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/bench/outer-grid")
-    p.add_argument("--stage", choices=["landscape", "fit", "check", "check2", "size"], nargs="+", default=["landscape"])
+    p.add_argument("--stage", choices=list(STAGES), nargs="+", default=["landscape"])
     p.add_argument("--workers", type=int, nargs="+", help="only the cells of these M (two sweeps side by side)")
     args = p.parse_args()
     runs = Runs(args.out, "outer-grid.json")
     for stage in args.stage:
-        cells = [c for c in {"landscape": LANDSCAPE, "fit": FIT, "check": CHECK, "check2": CHECK2, "size": SIZE}[stage]
-                 if not args.workers or c[0] in args.workers]
+        cells = [c for c in STAGES[stage] if not args.workers or c[0] in args.workers]
         print(f"# stage {stage}: {len(cells)} cells", flush=True)
         rows = run_cells(runs, stage, cells)
         (runs.out / f"{stage}.json").write_text(json.dumps(rows, indent=1))

@@ -401,7 +401,7 @@ class Communicator:
 
         def build():
             check = self._check(floats or [mx.zeros((self.n_local, 1))])
-            gathered = self._gather_workers(mx.depends(pack(wire), check))
+            gathered = self._gather_workers(self._after(check, pack(wire)))
             return unpack(gathered, wire), [check, gathered], check, None
 
         return Pending(self, record, build, finish=lambda out: out).result()
